@@ -1,0 +1,229 @@
+"""Boundary types of the engine: what goes in (GenerateRequest) and what comes out (StepOutput).
+
+Every message that crosses a thread or process boundary is one of these frozen, slotted
+dataclasses. They hold only immutable values (tuples, str, int, float), so a message built in the
+engine thread can be read by the sender thread while the engine goes on changing its own state:
+that is invariant 1 of docs/architecture.md, and why nothing here is a list or a dict.
+
+This module imports no torch: the Triton adapter, the OpenAI frontend and the tests use it too.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it runs; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the client or failed
+
+
+def _require(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings, validated on construction (bad values never reach the engine)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the sampled token only; k: plus top k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token_id, bias) pairs
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]", "n")
+        _require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens must be an integer >= 1",
+            "max_tokens",
+        )
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+            "min_tokens",
+        )
+        _require(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+        _require(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer", "top_k")
+        _require(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _require(self.seed is None or isinstance(self.seed, int), "seed must be an integer", "seed")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
+        _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            "logprobs",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_finite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2]", name)
+        _require(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty must be in (0, 2]",
+            "repetition_penalty",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            "logit_bias maps token ids to values in [-100, 100]",
+            "logit_bias",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from the JSON object of the wire contract; unknown fields are an error, not ignored."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("sampling_params must be a JSON object", "sampling_params")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
+        kwargs = dict(data)
+        if "stop" in kwargs:
+            stop = kwargs["stop"]
+            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"] or ())
+        if "logit_bias" in kwargs:
+            bias = kwargs["logit_bias"] or {}
+            if not isinstance(bias, dict):
+                raise InvalidRequestError("logit_bias must be an object", "logit_bias")
+            try:
+                kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias maps token ids to numbers", "logit_bias") from None
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if isinstance(kwargs.get(name), int) and not isinstance(kwargs.get(name), bool):
+                kwargs[name] = float(kwargs[name])
+            elif name in kwargs and not isinstance(kwargs[name], float):
+                raise InvalidRequestError(f"{name} must be a number", name)
+        for name in ("n", "min_tokens", "top_k"):
+            if name in kwargs and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], int)):
+                raise InvalidRequestError(f"{name} must be an integer", name)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> SamplingParams:
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"sampling_params is not valid JSON: {e}", "sampling_params") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the wire contract (inverse of from_dict)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        return out
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request as the engine receives it: already tokenized, already validated."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs of the tokens new in one step, one entry per token (parallel tuples).
+
+    Values are the model's raw log-softmax over the full vocabulary, before temperature,
+    penalties and top-k/top-p (vLLM's `raw_logprobs`). `token_texts[i]` is the text that token
+    added to the output (so the texts of a sequence join to its text; "" for a skipped special
+    token or for a token that ends mid-character). Top alternatives are the k most likely tokens
+    under the same distribution, each with its own decoded string.
+    """
+
+    logprobs: tuple[float, ...]  # (tokens,)
+    token_texts: tuple[str, ...]  # (tokens,)
+    top_token_ids: tuple[tuple[int, ...], ...]  # (tokens, k)
+    top_logprobs: tuple[tuple[float, ...], ...]  # (tokens, k)
+    top_token_texts: tuple[tuple[str, ...], ...]  # (tokens, k)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one sequence produced in one engine step: the per-step message of the architecture.
+
+    Values are copied when the message is built; `step` counts 0, 1, 2, ... per sequence with no
+    gaps so a receiver can detect loss or duplication; `finish_reason` is set exactly once, on the
+    sequence's last message; `request_finished` is True on the message that ends the request's last
+    unfinished sequence (the Triton adapter sends COMPLETE_FINAL with it).
+    """
+
+    request_id: str
+    seq_index: int
+    step: int
+    token_ids: tuple[int, ...]
+    text_delta: str
+    logprobs: TokenLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative for this sequence, at send time
+    request_finished: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """The engine could not go on with a request: every sequence of it ends with this error."""
+
+    request_id: str
+    message: str
+
+
+EngineOutput = StepOutput | RequestFailure
