@@ -1,0 +1,246 @@
+"""Continuous-batching scheduler (vLLM V1 style). No torch here.
+
+The one idea: there is no prefill phase and no decode phase. Every sequence has num_tokens
+(prompt + generated so far) and num_computed_tokens (how many of them have K/V in the cache); each
+step gives each sequence some of its missing tokens, up to a token budget, and that is all.
+- A decode is a sequence missing 1 token (the one it sampled last step).
+- Chunked prefill is a sequence missing many tokens that gets what the budget has left this step
+  and the rest in later steps; it samples only in the step it catches up.
+- Prefix caching starts a new sequence with num_computed_tokens > 0 (blocks found by hash).
+- Preemption by recompute frees a sequence's blocks and sets num_computed_tokens back to 0; its
+  generated tokens stay, and it catches up again (prompt + outputs) when it is readmitted.
+
+Per step: RUNNING sequences first, in arrival order; if the pool has no room for one, the
+latest-arrived running sequence is preempted (possibly that one itself) until it fits. Then, if
+nothing was preempted, WAITING sequences in FCFS order while budget, seats (max_num_seqs) and
+blocks allow, stopping at the first that does not fit. num_computed_tokens is advanced when the
+step is scheduled; the engine then runs the model, appends the sampled tokens and calls `finish`.
+
+n > 1: the request's sequence 0 (the leader) prefills alone; its siblings wait as FORK_PENDING.
+When the leader samples for the first time they are forked from it (sharing its blocks, ref-counted)
+and sample their first token from the leader's logits row; after that each runs on its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from backend.block_manager import Allocation, BlockManager
+from backend.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig: {name} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step. Values are copied; `seq` is the live object."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start_position: int  # num_computed_tokens before this step: position of token_ids[0]
+    token_ids: tuple[int, ...]  # the tokens computed this step
+    block_table: tuple[int, ...]  # after this step's allocation
+    samples: bool  # the logits of its last token are sampled (it caught up with num_tokens)
+    forked: tuple[Sequence, ...]  # siblings forked this step: each samples from this entry's logits row
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...]  # entries with 1 new token first (the decode batch), then the rest
+    num_decode_seqs: int
+    blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (src, dst), to apply in order before the forward
+    preempted: tuple[Sequence, ...]
+    total_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return (seq.arrival, seq.seq_index)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.block_size != block_manager.block_size:
+            raise ValueError("scheduler and block manager disagree on block_size")
+        if block_manager.num_blocks * block_manager.block_size < config.max_model_len:
+            # Otherwise a sequence alone in the pool could never fit and would preempt itself forever.
+            raise ValueError(
+                f"the KV pool holds {block_manager.num_blocks} x {block_manager.block_size} tokens, less than "
+                f"max_model_len {config.max_model_len}: lower max_model_len or give the KV cache more memory"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: deque[Sequence] = deque()  # leaders and preempted sequences, FCFS
+        self._running: list[Sequence] = []  # sorted by (arrival, seq_index)
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> all its sequences, until all finish
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """seqs[0] (the leader) joins the waiting queue; seqs[1:] wait for it to fork them."""
+        leader = seqs[0]
+        assert leader.request_id not in self._requests, f"duplicate request id {leader.request_id!r}"
+        assert leader.num_prompt_tokens <= self.config.max_model_len, "prompt longer than max_model_len"
+        assert len(seqs) <= self.config.max_num_seqs, "n larger than max_num_seqs could never be admitted"
+        assert all(s.request_id == leader.request_id and s.prompt_token_ids == leader.prompt_token_ids for s in seqs)
+        leader.status = SequenceStatus.WAITING
+        leader.fork_pending = list(seqs[1:])
+        for sibling in seqs[1:]:
+            sibling.status = SequenceStatus.FORK_PENDING
+            sibling.fork_leader = leader
+        self._requests[leader.request_id] = list(seqs)
+        self._waiting.append(leader)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        entries: list[ScheduledSequence] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new >= 1, f"{seq} is running with nothing to compute"
+            while (alloc := self.block_manager.allocate(seq, num_new)) is None:
+                victim = self._running.pop()  # the latest arrived; always at index >= i
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if alloc is None:
+                break  # seq preempted itself: everything after it is gone too
+            forked = self._commit(seq, num_new, alloc, entries, copies)
+            budget -= num_new
+            i += 1 + len(forked)  # forked siblings were inserted right after seq and have nothing to compute
+
+        if not preempted:
+            seats = sum(1 + len(s.fork_pending) for s in self._running)
+            while self._waiting and budget > 0:
+                seq = self._waiting[0]
+                need_seats = 1 + len(seq.fork_pending)
+                if seats + need_seats > self.config.max_num_seqs:
+                    break
+                assert seq.num_tokens <= self.config.max_model_len
+                seq.num_computed_tokens = self.block_manager.match_prefix(seq)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                alloc = self.block_manager.allocate(seq, num_new)
+                if alloc is None:  # give back the prefix hit; try again next step
+                    self.block_manager.free(seq)
+                    seq.num_computed_tokens = 0
+                    break
+                self._waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self._running, seq, key=_order)
+                seats += need_seats
+                self._commit(seq, num_new, alloc, entries, copies)
+                budget -= num_new
+
+        decodes = [e for e in entries if e.num_new_tokens == 1]
+        return SchedulerOutput(
+            scheduled=tuple(decodes + [e for e in entries if e.num_new_tokens != 1]),
+            num_decode_seqs=len(decodes),
+            blocks_to_copy=tuple(copies),
+            preempted=tuple(preempted),
+            total_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def finish(self, seq: Sequence, cache: bool = True) -> list[Sequence]:
+        """End seq (and, for a leader that has not forked yet, its pending siblings); free their
+        blocks at once. Returns the sequences this call finished ([] if seq already was).
+        cache=False: the KV content is not to be trusted (forward failed); forget its hashes."""
+        if seq.is_finished:
+            return []
+        done = [seq, *seq.fork_pending]
+        seq.fork_pending = []
+        if seq.status is SequenceStatus.FORK_PENDING and seq.fork_leader is not None:
+            seq.fork_leader.fork_pending.remove(seq)
+        for s in done:
+            if s.status is SequenceStatus.RUNNING:
+                self._running.remove(s)
+            elif s.status is SequenceStatus.WAITING:
+                self._waiting.remove(s)
+            self.block_manager.free(s, cache=cache)
+            s.status = SequenceStatus.FINISHED
+        seqs = self._requests.get(seq.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self._requests[seq.request_id]
+        return done
+
+    def abort_request(self, request_id: str, cache: bool = True) -> list[Sequence]:
+        """Finish every unfinished sequence of the request (waiting, running or fork-pending)."""
+        done: list[Sequence] = []
+        for seq in list(self._requests.get(request_id, ())):
+            done.extend(self.finish(seq, cache=cache))
+        return done
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._waiting.appendleft(seq)  # victims go latest-arrived first, so the earliest ends up in front
+        self.num_preemptions += 1
+
+    def _commit(
+        self,
+        seq: Sequence,
+        num_new: int,
+        alloc: Allocation,
+        entries: list[ScheduledSequence],
+        copies: list[tuple[int, int]],
+    ) -> tuple[Sequence, ...]:
+        """Advance seq by num_new tokens, record its entry, fork its siblings if it samples first."""
+        start = seq.num_computed_tokens
+        token_ids = seq.token_slice(start, start + num_new)
+        seq.num_computed_tokens += num_new
+        self.block_manager.mark_computed(seq)
+        samples = seq.num_computed_tokens == seq.num_tokens
+        forked: tuple[Sequence, ...] = ()
+        if samples and seq.fork_pending:
+            assert seq.num_output_tokens == 0, "a leader forks at its first sample"
+            forked = tuple(seq.fork_pending)
+            seq.fork_pending = []
+            for child in forked:
+                self.block_manager.fork(seq, child)
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                bisect.insort(self._running, child, key=_order)
+        copies.extend(alloc.copies)
+        entries.append(
+            ScheduledSequence(
+                seq=seq,
+                num_new_tokens=num_new,
+                start_position=start,
+                token_ids=token_ids,
+                block_table=self.block_manager.block_table(seq),
+                samples=samples,
+                forked=forked,
+            )
+        )
+        return forked

@@ -1,0 +1,125 @@
+"""The one state object of a sequence: `Sequence`, keyed by (request id, sequence index).
+
+A request with n > 1 is n sequences. Sequence 0 is the fork leader: it alone prefills the prompt,
+and when it samples for the first time the scheduler forks the others (FORK_PENDING until then)
+so they share the prompt's KV blocks and each samples its first token from the leader's logits.
+
+The scheduler reads and advances `num_computed_tokens` and `status`; the engine appends tokens and
+owns the opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`,
+`finish_reason`), which the scheduler never touches. No torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from backend.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the scheduler's waiting queue (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FORK_PENDING = "fork_pending"  # sibling 1..n-1 waiting for its leader's first sample
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, progress and engine-owned per-sequence state of one sequence.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens. num_tokens - num_computed_tokens is what
+    the sequence still has to run through the model (1 for a decode step).
+    """
+
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "seq_index",
+        "prompt_token_ids",
+        "output_token_ids",
+        "params",
+        "arrival",
+        "num_computed_tokens",
+        "status",
+        "fork_leader",
+        "fork_pending",
+        # engine-owned, opaque to the scheduler
+        "generator",
+        "detokenizer",
+        "stop_matcher",
+        "next_step",
+        "finish_reason",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        seq_index: int,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        arrival: int,
+    ) -> None:
+        assert len(prompt_token_ids) >= 1, "a sequence needs at least one prompt token"
+        self.seq_id = seq_id  # engine-unique; the block manager's key
+        self.request_id = request_id
+        self.seq_index = seq_index
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival  # FCFS order; siblings of one request share it
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.fork_leader: Sequence | None = None  # set on siblings 1..n-1
+        self.fork_pending: list[Sequence] = []  # on the leader: siblings not yet forked
+        self.generator: Any = None
+        self.detokenizer: Any = None
+        self.stop_matcher: Any = None
+        self.next_step = 0
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_id_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens at positions [start, end) of prompt + output, copied."""
+        assert 0 <= start <= end <= self.num_tokens
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return tuple(self.output_token_ids[start - n : end - n])
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[: end - n])
+
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.seq_index}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
