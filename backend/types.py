@@ -224,6 +224,8 @@ class RequestFailure:
 
     request_id: str
     message: str
+    error_type: str = "engine_error"  # or "invalid_request_error" (refused before it ran)
+    param: str | None = None
 
 
 EngineOutput = StepOutput | RequestFailure

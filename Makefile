@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Everything else is installed here.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TOOLS := .tools
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: venv serve test test-fast bench-engine bench-serve perf genai-perf clean
+
+# The venv is (re)built only when the pinned requirements change.
+$(STAMP): requirements.txt requirements-nodeps.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+	$(PY) -c "from scripts.servers import TritonInstall; TritonInstall.find().ensure_stub()"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: venv
+	$(PY) -m scripts.serve
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow and not e2e"
+
+bench-engine: venv
+	$(PY) benchmarks/engine_bench.py
+
+bench-serve: venv
+	$(PY) benchmarks/serve_bench.py
+
+perf: venv
+	$(PY) -m scripts.perf_tools perf
+
+genai-perf: venv
+	$(PY) -m scripts.perf_tools genai-perf
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .cache .pytest_cache .hypothesis artifacts

@@ -1,0 +1,118 @@
+"""Paged attention for one layer over a flattened batch: the model's single door to the KV kernels.
+
+The batch holds T tokens of B sequences back to back, no padding. The first `num_decode_seqs`
+sequences are decodes (one token each, rows 0..num_decode_seqs-1); the rest are prefill chunks
+(any number of tokens, attending causally to their cached prefix and to themselves).
+
+`paged_attention` stores this step's K/V into the paged cache, then runs the decode kernel on the
+decode rows and the prefill kernel on the rest. On CUDA it calls the Triton kernels
+(kernels.store_kv, kernels.paged_attention, kernels.paged_prefill, imported on first use so that
+CPU-only code never needs `triton`); on CPU it calls the torch references in kernels.reference,
+which are the CPU serving path.
+
+KV cache of one layer: k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim);
+the slot of a token is block_id * block_size + offset_in_block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and what each sequence attends to.
+
+    Built once per step by the model runner and passed down explicitly (no globals).
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot of each token; < 0 skips the store
+    num_decode_seqs: int  # decode sequences come first, one token each
+    block_tables: torch.Tensor  # (B, max_blocks) int32: KV block ids of each sequence, 0-padded
+    seq_lens: torch.Tensor  # (B,) int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # (B+1,) int32: sequence b owns token rows [qsl[b], qsl[b+1])
+    # Derived once per step (not per layer): the prefill sequences' row offsets, rebased to 0.
+    prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)  # (B - num_decode_seqs + 1,)
+
+    def __post_init__(self) -> None:
+        B = self.seq_lens.shape[0]
+        assert self.slot_mapping.dim() == 1 and self.slot_mapping.dtype == torch.int64, "slot_mapping: (T,) int64"
+        assert self.block_tables.dim() == 2 and self.block_tables.shape[0] == B, "block_tables: (B, max_blocks)"
+        assert self.block_tables.dtype == torch.int32, "block_tables must be int32"
+        assert self.seq_lens.dtype == torch.int32, "seq_lens must be int32"
+        assert self.query_start_loc.shape == (B + 1,), "query_start_loc: (B+1,)"
+        assert self.query_start_loc.dtype == torch.int32, "query_start_loc must be int32"
+        assert 0 <= self.num_decode_seqs <= B, "num_decode_seqs must be in [0, B]"
+        nd = self.num_decode_seqs
+        object.__setattr__(self, "prefill_query_start_loc", self.query_start_loc[nd:] - nd)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+StoreKV = Callable[..., None]
+Attend = Callable[..., torch.Tensor]
+
+
+def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
+    """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA, torch references elsewhere.
+
+    Looked up on every call (a few attribute reads) rather than bound at import, so tests can
+    swap any of them with monkeypatch.
+    """
+    if device.type == "cuda":
+        store = importlib.import_module("kernels.store_kv").store_kv
+        decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
+        prefill = importlib.import_module("kernels.paged_prefill").paged_prefill
+        return store, decode, prefill
+    return reference.store_kv_ref, reference.paged_attention_decode_ref, reference.paged_prefill_ref
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store k/v of this step's tokens, then attend. q (T, H, D), k/v (T, KVH, D) -> (T, H, D)."""
+    store_kv, decode, prefill = kernels_for(q.device)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    T, nd, B = q.shape[0], meta.num_decode_seqs, meta.num_seqs
+    if nd == B:  # decode only (the common step): no split, no copy
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)  # (T, H, D)
+    if nd == 0:  # prefill only
+        return prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+    out = torch.empty_like(q)  # (T, H, D)
+    out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)  # (nd, H, D)
+    out[nd:] = prefill(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start_loc, meta.seq_lens[nd:], scale
+    )  # (T - nd, H, D)
+    return out
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (k_cache, v_cache) pair per layer, each (num_blocks, block_size, KVH, D)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

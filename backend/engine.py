@@ -1,0 +1,175 @@
+"""The engine: one `step()` = schedule -> run the model -> process outputs.
+
+Not thread-safe: one thread owns an engine (the Triton adapter's engine loop thread, a benchmark,
+a test). Requests enter with `add_request` and leave through the StepOutputs that `step` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from backend.block_manager import BlockManager
+from backend.checkpoint import Checkpoint, load_checkpoint
+from backend.config import EngineConfig, RuntimeInfo
+from backend.llama import LlamaForCausalLM
+from backend.model_runner import ModelRunner, kv_block_bytes
+from backend.output_processor import OutputProcessor
+from backend.scheduler import Scheduler, SchedulerConfig
+from backend.sequence import Sequence
+from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics; counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    aborted_requests: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        dtype = getattr(torch, config.torch_dtype_name)
+        checkpoint = checkpoint or load_checkpoint(config.model, dtype=torch.float32)
+        self.tokenizer = checkpoint.tokenizer
+        model_cfg = checkpoint.config
+        model = LlamaForCausalLM(model_cfg)
+        model.load_weights(checkpoint.state_dict)
+        model.to(device=device, dtype=dtype).eval()
+
+        block_bytes = kv_block_bytes(model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads,
+                                     model_cfg.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_gib * 2**30) // block_bytes)
+        # A sequence alone must fit in the pool, or it would preempt itself forever.
+        max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                            model_cfg.max_position_embeddings, num_blocks * config.block_size)
+        self.runtime = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                                   vocab_size=model_cfg.vocab_size, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=max_model_len, block_size=config.block_size),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, max_model_len)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._pending: list[EngineOutput] = []  # abort messages waiting for the next step() to return them
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._aborted = 0
+        logger.info("engine ready: %d KV blocks of %d tokens, context %d", num_blocks, config.block_size, max_model_len)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
+        """Tokenizes and validates; raises InvalidRequestError for anything the engine cannot run."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            token_ids = tuple(self.tokenizer.encode(prompt))
+        else:
+            token_ids = tuple(int(t) for t in prompt)
+            vocab = self.runtime.vocab_size
+            if any(t < 0 or t >= vocab for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        max_len = self.runtime.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
+                "and at least one must be left to generate", "prompt")
+        vocab = self.runtime.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", "logit_bias")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
+        return GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
+
+    def add_request(self, request: GenerateRequest) -> None:
+        if request.request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
+        arrival = next(self._arrivals)
+        seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, seq_index=i,
+                         prompt_token_ids=request.prompt_token_ids, params=request.params, arrival=arrival)
+                for i in range(request.params.n)]
+        self.output_processor.add_request(request.request_id, seqs)
+        self.scheduler.add_request(seqs)
+        self._prompt_tokens += len(request.prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Frees the request's KV blocks now; its last messages come with the next step()."""
+        if request_id not in self.output_processor.requests:
+            return
+        seqs = self.scheduler.abort_request(request_id)
+        self._aborted += 1
+        self._pending.extend(self.output_processor.abort_request(request_id, seqs))
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
+            return self._pending_outputs() + self._fail_batch(batch, exc)
+        outputs = self._pending_outputs() + self.output_processor.process_tokens(sampled)
+        self._generation_tokens += len(sampled)
+        return outputs
+
+    def _pending_outputs(self) -> list[EngineOutput]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _fail_batch(self, batch, exc: Exception) -> list[EngineOutput]:
+        """Every request the failed batch touched ends with an error; the others go on."""
+        logger.exception("engine step failed")
+        request_ids = dict.fromkeys(entry.seq.request_id for entry in batch.scheduled)
+        failures: list[EngineOutput] = []
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id, cache=False)
+            self.output_processor.drop_request(request_id)
+            failures.append(RequestFailure(request_id, f"engine error: {type(exc).__name__}: {exc}"))
+        return failures
+
+    def stats(self) -> EngineStats:
+        kv = self.block_manager.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=kv.total,
+            kv_blocks_used=kv.used,
+            kv_blocks_free=kv.free,
+            kv_blocks_cached=kv.cached,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            aborted_requests=self._aborted,
+        )

@@ -1,0 +1,110 @@
+"""Runs one scheduled batch through the model and samples the next tokens.
+
+Owns the paged KV cache tensors. The batch is flattened: the T tokens of all scheduled sequences
+in one row, decode sequences (one token each) first, then prefill chunks, described to the model by
+an explicit AttentionMetadata (no globals).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.attention import AttentionMetadata, allocate_kv_caches
+from backend.llama import LlamaForCausalLM
+from backend.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from backend.scheduler import SchedulerOutput
+from backend.sequence import Sequence
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        # (layers) x [(num_blocks, block_size, kv_heads, head_dim) K, same V]
+        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                            cfg.head_dim, dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
+        """Computes the scheduled tokens; returns one sampled token per sequence that samples."""
+        self._copy_blocks(batch.blocks_to_copy)
+        if not batch.scheduled:
+            return []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []  # row of the last token of each sampling entry
+        sampling_seqs: list[Sequence] = []
+        row_of_seq: list[int] = []  # logits row each sampling sequence reads (siblings share the leader's)
+        bs = self.block_size
+        for entry in batch.scheduled:
+            start, n = entry.start_position, entry.num_new_tokens
+            input_ids.extend(entry.token_ids)
+            positions.extend(range(start, start + n))
+            table = entry.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            seq_lens.append(start + n)
+            query_start_loc.append(query_start_loc[-1] + n)
+            if entry.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+                for seq in (entry.seq, *entry.forked):
+                    sampling_seqs.append(seq)
+                    row_of_seq.append(len(sample_rows) - 1)
+
+        max_blocks = max(len(e.block_table) for e in batch.scheduled)
+        tables = [list(e.block_table) + [0] * (max_blocks - len(e.block_table)) for e in batch.scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_seqs=batch.num_decode_seqs,
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(  # (T, hidden)
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if not sampling_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])  # (entries, vocab) fp32
+        if len(row_of_seq) != len(sample_rows):
+            logits = logits[torch.tensor(row_of_seq, device=dev)]  # (sequences, vocab): siblings read the leader's row
+        rows = [self._sampling_row(seq) for seq in sampling_seqs]
+        return list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows)))
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        if seq.generator is None:
+            # Created once per sequence and kept across preemption, so a resumed sequence
+            # continues the same random stream and yields the same tokens.
+            seq.generator = make_generator(seq.params.seed, seq.seq_index)
+        return SamplingRow(
+            params=seq.params,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=tuple(seq.output_token_ids),
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

@@ -1,0 +1,130 @@
+"""Turns the tokens sampled in one engine step into the per-step messages (StepOutput).
+
+This is the one place where deltas are computed: the new token ids, the text they add (through
+the sequence's own incremental detokenizer and stop-string matcher), their logprobs, and the
+cumulative counts, all copied into a frozen StepOutput. Later layers carry these values unchanged.
+
+Each sequence that got a token gets its own message, so siblings that finish in the same step each
+keep their own last tokens (invariant 4), and finish_reason is decided here exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.detokenizer import IncrementalDetokenizer
+from backend.sampler import SampledToken
+from backend.scheduler import Scheduler
+from backend.sequence import Sequence
+from backend.stop_strings import StopStringMatcher
+from backend.tokenizer import Tokenizer
+from backend.types import FinishReason, StepOutput, TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The small parent of a request's n sequences: it only tracks which are still alive."""
+
+    request_id: str
+    sequences: list[Sequence]
+    num_unfinished: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, sequences: list[Sequence]) -> None:
+        for seq in sequences:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+            seq.stop_matcher = (
+                StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output) if seq.params.stop else None
+            )
+        self.requests[request_id] = RequestState(request_id, list(sequences))
+
+    def process_tokens(self, sampled: list[tuple[Sequence, SampledToken]]) -> list[StepOutput]:
+        """One message per (sequence, new token), in the order the tokens were sampled."""
+        return [self._on_token(seq, tok) for seq, tok in sampled]
+
+    def abort_request(self, request_id: str, sequences: list[Sequence]) -> list[StepOutput]:
+        """A last, token-less message for each sequence the abort ended."""
+        return [self._finish_message(seq, (), "", None, FinishReason.ABORT, None) for seq in sequences]
+
+    def drop_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def _on_token(self, seq: Sequence, tok: SampledToken) -> StepOutput:
+        seq.append_token(tok.token_id)
+        params = seq.params
+        num_output = seq.num_output_tokens
+        token_text = seq.detokenizer.add_token(tok.token_id)
+        may_stop = num_output >= params.min_tokens
+
+        finish: FinishReason | None = None
+        stop_reason: str | int | None = None
+        if may_stop and not params.ignore_eos and tok.token_id in self.eos_token_ids:
+            finish = FinishReason.STOP
+        elif may_stop and tok.token_id in params.stop_token_ids:
+            finish, stop_reason = FinishReason.STOP, tok.token_id
+        elif (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+            finish = FinishReason.LENGTH
+
+        text = token_text + (seq.detokenizer.flush() if finish is not None else "")
+        if seq.stop_matcher is not None and may_stop:
+            text, matched = seq.stop_matcher.feed(text)
+            if matched is not None:
+                finish, stop_reason = FinishReason.STOP, matched
+            elif finish is not None:
+                text += seq.stop_matcher.flush()
+        elif seq.stop_matcher is not None and finish is not None:
+            text += seq.stop_matcher.flush()
+
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = TokenLogprobs(
+                logprobs=(tok.logprob,),
+                token_texts=(token_text,),
+                top_token_ids=(tok.top_token_ids,),
+                top_logprobs=(tok.top_logprobs,),
+                top_token_texts=(tuple(self.tokenizer.token_text(t) for t in tok.top_token_ids),),
+            )
+        if finish is not None:
+            return self._finish_message(seq, (tok.token_id,), text, logprobs, finish, stop_reason)
+        return self._message(seq, (tok.token_id,), text, logprobs, None, None, False)
+
+    def _finish_message(self, seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
+                        finish: FinishReason, stop_reason: str | int | None) -> StepOutput:
+        seq.finish_reason = finish
+        self.scheduler.finish(seq)
+        state = self.requests[seq.request_id]
+        state.num_unfinished -= 1
+        request_finished = state.num_unfinished == 0
+        if request_finished:
+            del self.requests[seq.request_id]
+        return self._message(seq, token_ids, text, logprobs, finish, stop_reason, request_finished)
+
+    @staticmethod
+    def _message(seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
+                 finish: FinishReason | None, stop_reason: str | int | None, request_finished: bool) -> StepOutput:
+        step = seq.next_step
+        seq.next_step += 1
+        return StepOutput(
+            request_id=seq.request_id,
+            seq_index=seq.seq_index,
+            step=step,
+            token_ids=token_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            request_finished=request_finished,
+        )

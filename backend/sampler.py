@@ -1,0 +1,344 @@
+"""Sampler: one next token per sequence from the model's logits, plus its logprobs.
+
+`Sampler.sample(logits (S, V) fp32, rows)` treats row i of `logits` with `rows[i]` and returns one
+`SampledToken` per row, as plain Python values. The pipeline follows vLLM V1:
+
+    raw logits ──► logprobs (raw log_softmax, only rows that asked)
+        │
+        ├─ min_tokens: EOS ids and stop_token_ids get -inf while len(output) < min_tokens
+        ├─ logit_bias: added to the logits
+        ├─ repetition_penalty (prompt + output tokens): positive logits / p, negative logits * p
+        ├─ frequency / presence penalty (output tokens): - f * count - p * (count > 0)
+        ▼
+    greedy rows (temperature < 1e-5): argmax
+    other rows: / temperature ─► min_p ─► top_k ─► top_p ─► draw one token
+
+Logprobs are the model's raw distribution (`log_softmax` of the unprocessed logits over the full
+vocabulary, vLLM's `raw_logprobs`): temperature, penalties, top-k/top-p and logit_bias never change
+them. The sampled token's entry is always there; `params.logprobs = k` adds the k most likely
+tokens under that same raw distribution. `ignore_eos` is not the sampler's business (the engine
+decides what stops a sequence); with it, EOS ids are not masked for min_tokens either, since they
+would not stop the sequence anyway.
+
+Randomness. A row's draw comes only from its own `torch.Generator` (`make_generator`), so a seeded
+row picks the same token whatever other rows share the batch; rows without a generator share one
+batched draw from torch's global RNG. The draw is inverse-CDF sampling with a single float64
+uniform per row, in two levels (a block of 256 tokens, then a token inside it) so that float32
+sums never swallow small probabilities. The per-row cost is one scalar draw; the rest is batched
+tensor work. (vLLM's exponential race draws V random numbers per row: about 1 ms per row for a
+49k vocabulary on CPU, against a few microseconds here.)
+
+Everything else is vectorized over the batch: the Python loops over rows only gather settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from backend.types import MAX_LOGPROBS, SamplingParams
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
+_CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+# top-p looks for the nucleus among this many most likely tokens per row, in turn, and sorts the
+# whole vocabulary only for rows whose nucleus is larger (see _top_p_floor).
+_TOP_P_CANDIDATES = (64, 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence for one step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: torch's global RNG (not reproducible)
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token; the logprob fields are filled only when params.logprobs is not None."""
+
+    token_id: int
+    logprob: float | None = None  # raw log_softmax of the sampled token
+    top_token_ids: tuple[int, ...] = ()  # the params.logprobs most likely tokens, most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+def make_generator(seed: int | None, seq_index: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """The random stream of sequence `seq_index` of a request.
+
+    seed None: a fresh random seed from os.urandom. Otherwise a hash of (seed, seq_index), so the n
+    siblings of one seeded request get distinct streams that are the same on every run; any Python
+    int is accepted as seed (negative, or wider than 64 bits).
+    """
+    if seed is None:
+        value = int.from_bytes(os.urandom(8), "little")
+    else:
+        digest = hashlib.blake2b(f"{seed}:{seq_index}".encode(), digest_size=8, person=b"llm-sampler").digest()
+        value = int.from_bytes(digest, "little")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(value)
+    return generator
+
+
+class Sampler:
+    """Stateless: everything a step needs comes in the rows."""
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be (len(rows), vocab); got {tuple(logits.shape)} for {len(rows)} rows")
+        if not rows:
+            return []
+        raw = logits.float()  # (S, V); never modified
+        processed = _apply_logits_processors(raw, rows)  # (S, V); `raw` itself when no row needs processing
+        token_ids = _choose_tokens(processed, rows)  # (S,) int64
+        return _with_logprobs(raw, token_ids, rows)
+
+
+# ---------------------------------------------------------------- logits processors (before temperature)
+
+
+def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min_tokens mask, logit_bias and penalties; a new tensor, or `raw` itself when nothing applies.
+
+    All of them touch only a few entries per row (the banned ids, the biased ids, the tokens seen so
+    far), so they work on flat indices `row * V + token` rather than on dense (S, V) masks.
+    """
+    S, V = raw.shape
+    banned: list[int] = []  # flat indices set to -inf for min_tokens
+    bias_at: list[int] = []  # flat indices and values of logit_bias
+    bias_values: list[float] = []
+    rep_rows: list[int] = []  # rows with repetition_penalty != 1
+    pen_rows: list[int] = []  # rows with a frequency or presence penalty
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(row.eos_token_ids)
+            banned.extend(i * V + t for t in ids if t < V)  # ids past the vocabulary are never sampled anyway
+        for t, b in p.logit_bias:
+            if t < V:  # the frontend validates against the vocabulary; never fail a whole batch here
+                bias_at.append(i * V + t)
+                bias_values.append(b)
+        if p.repetition_penalty != 1.0:
+            rep_rows.append(i)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            pen_rows.append(i)
+    if not (banned or bias_at or rep_rows or pen_rows):
+        return raw
+
+    device = raw.device
+    out = raw.clone()  # (S, V)
+    flat = out.view(-1)  # (S * V,)
+    if banned:
+        flat[torch.tensor(banned, device=device)] = -math.inf
+    if bias_at:  # each token once per row (logit_bias comes from a dict), so no accumulate needed
+        flat[torch.tensor(bias_at, device=device)] += torch.tensor(bias_values, device=device)
+    if rep_rows:
+        at, _ = _occurrences(rep_rows, [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep_rows], V, device)
+        penalty = _per_row(S, rep_rows, [rows[i].params.repetition_penalty for i in rep_rows], device)[at // V]
+        seen = flat[at]
+        flat[at] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if pen_rows:
+        at, counts = _occurrences(pen_rows, [rows[i].output_token_ids for i in pen_rows], V, device)
+        frequency = _per_row(S, pen_rows, [rows[i].params.frequency_penalty for i in pen_rows], device)[at // V]
+        presence = _per_row(S, pen_rows, [rows[i].params.presence_penalty for i in pen_rows], device)[at // V]
+        flat[at] -= frequency * counts + presence
+    return out
+
+
+def _occurrences(
+    row_ids: list[int], token_lists: list[tuple[int, ...]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct flat indices `row * vocab + token` of the tokens in each row's list, and their counts."""
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
+    owner = torch.repeat_interleave(torch.tensor(row_ids, device=device), lengths)
+    keep = tokens < vocab
+    at, counts = torch.unique(owner[keep] * vocab + tokens[keep], return_counts=True)
+    return at, counts.float()
+
+
+def _per_row(num_rows: int, row_ids: list[int], values: list[float], device: torch.device) -> torch.Tensor:
+    """(num_rows,) fp32 with values at row_ids, zero elsewhere."""
+    out = torch.zeros(num_rows, device=device)
+    out[torch.tensor(row_ids, device=device)] = torch.tensor(values, device=device)
+    return out
+
+
+# ---------------------------------------------------------------- choosing the token
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """(S,) int64: argmax for greedy rows, a random draw for the others."""
+    is_random = [row.params.temperature >= GREEDY_EPS for row in rows]
+    random_rows = [i for i, r in enumerate(is_random) if r]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    device = logits.device
+    all_random = len(random_rows) == len(rows)
+    sel = torch.tensor(random_rows, device=device)
+    params = [rows[i].params for i in random_rows]
+    weights = _filtered_weights(logits.clone() if all_random else logits[sel], params)  # (R, V)
+    uniforms = _draw_uniforms([rows[i].generator for i in random_rows], device)  # (R,)
+    drawn = _inverse_cdf(weights, uniforms)  # (R,)
+    if all_random:
+        return drawn
+    greedy_rows = torch.tensor([i for i, r in enumerate(is_random) if not r], device=device)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=device)  # (S,)
+    tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    tokens[sel] = drawn
+    return tokens
+
+
+def _filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Turns x (R, V), a private copy of the logits, in place into the unnormalized probabilities
+    softmax(x / temperature) * const after min_p, top_k and top_p (0 = dropped).
+
+    The weights are exp(x / T - max), so the top token weighs 1 and each filter is a per-row floor
+    on the weights (ties with the floor are kept):
+    - min_p: p_i >= min_p * p_max, i.e. w_i >= min_p
+    - top_k: w_i >= the k-th largest weight
+    - top_p (after the others, on their renormalized distribution): the smallest set of most likely
+      tokens whose mass reaches p; a token is kept when the mass ranked above it is below p (vLLM's
+      rule), so the top token always stays.
+    In-place work on one buffer: on CPU an out-of-place (R, V) op costs several in-place ones.
+    """
+    R, V = x.shape
+    device = x.device
+    x.div_(torch.tensor([p.temperature for p in params], device=device)[:, None])
+    weights = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # (R, V), max 1
+    floor = torch.tensor([p.min_p for p in params], device=device)[:, None]  # (R, 1)
+    k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < V]
+    if k_rows:
+        r = torch.tensor(k_rows, device=device)
+        k = torch.tensor([params[i].top_k for i in k_rows], device=device)[:, None]  # (K, 1)
+        kth = weights[r].topk(int(k.max()), dim=-1).values.gather(1, k - 1)  # (K, 1): each row's k-th largest
+        floor[r] = torch.maximum(floor[r], kth)
+    if k_rows or any(p.min_p > 0.0 for p in params):
+        _drop_below(weights, floor)
+    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        top_p = torch.tensor([params[i].top_p for i in p_rows], device=device)[:, None]  # (P, 1)
+        if len(p_rows) == R:
+            _drop_below(weights, _top_p_floor(weights, top_p))
+        else:
+            r = torch.tensor(p_rows, device=device)
+            sub = weights[r]  # (P, V), a copy
+            weights[r] = _drop_below(sub, _top_p_floor(sub, top_p))
+    return weights
+
+
+def _drop_below(weights: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """weights (R, V) *= (weights >= floor (R, 1)), in place.
+
+    Spelled sign(w - floor) + 1, clamped to 1: float ops only, about twice as fast on CPU as
+    building a bool mask and multiplying by it.
+    """
+    return weights.mul_((weights - floor).sign_().add_(1.0).clamp_(max=1.0))
+
+
+def _top_p_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(P, 1): the weight of the least likely token of each row's nucleus; weights (P, V), top_p (P, 1).
+
+    The nucleus is first sought among each row's 64 most likely tokens, then 1024; only rows whose
+    nucleus is wider than that sort the whole vocabulary (~20x the cost of a small topk on CPU).
+    """
+    V = weights.shape[1]
+    total = weights.sum(dim=-1, keepdim=True)  # (P, 1)
+    out = torch.zeros_like(total)
+    pending = torch.arange(weights.shape[0], device=weights.device)
+    for candidates in (*_TOP_P_CANDIDATES, V):
+        k = min(candidates, V)
+        rows = weights if pending.numel() == weights.shape[0] else weights[pending]  # (P', V)
+        values = rows.topk(k, dim=-1).values  # (P', k), descending
+        probs = values / total[pending]  # (P', k)
+        cumulative = probs.cumsum(dim=-1)  # (P', k)
+        p = top_p[pending]  # (P', 1)
+        kept = ((cumulative - probs) < p).sum(dim=-1, keepdim=True)  # (P', 1) >= 1, a prefix
+        found = (cumulative[:, -1:] >= p).squeeze(1) | (k == V)  # (P',): the nucleus ends in here
+        out[pending[found]] = values.gather(1, kept - 1)[found]
+        pending = pending[~found]
+        if not pending.numel():
+            break
+    return out
+
+
+def _draw_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """(R,) float64 uniforms in [0, 1): one from each row's own generator, one batch for the rest."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), dtype=torch.float64, generator=g, device=g.device).item()
+    return u.to(device)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(R,) int64: for each row the token where the CDF of `weights` (R, V) passes u (R,).
+
+    Two levels so that float32 sums never swallow small probabilities: block masses (256 tokens
+    each) are accumulated in float64 to pick a block, then the CDF inside that block picks the
+    token. A token with weight 0 is never picked: searchsorted(right=True) returns the first
+    position whose cumulative mass is strictly above the target, and the target stays below the
+    total.
+    """
+    R, V = weights.shape
+    pad = -V % _CDF_BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    blocks = weights.view(R, -1, _CDF_BLOCK)  # (R, NB, B)
+    block_mass = blocks.sum(dim=-1).double()  # (R, NB)
+    block_cdf = block_mass.cumsum(dim=-1)  # (R, NB)
+    target = _below(u[:, None] * block_cdf[:, -1:], block_cdf[:, -1:])  # (R, 1)
+    block = torch.searchsorted(block_cdf, target, right=True)  # (R, 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # (R, 1)
+    fraction = (target - before) / block_mass.gather(1, block)  # (R, 1) in [0, 1)
+    inner = blocks[torch.arange(R, device=weights.device), block.squeeze(1)].double().cumsum(dim=-1)  # (R, B)
+    offset = torch.searchsorted(inner, _below(fraction * inner[:, -1:], inner[:, -1:]), right=True)  # (R, 1)
+    return (block * _CDF_BLOCK + offset).squeeze(1)
+
+
+def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """min(value, the largest float below total): guards u * total against rounding up to total."""
+    return torch.minimum(value, torch.nextafter(total, torch.zeros_like(total)))
+
+
+# ---------------------------------------------------------------- logprobs and results
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    ids = token_ids.tolist()
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return [SampledToken(token_id=t) for t in ids]
+    # log_softmax(raw) = raw - logsumexp(raw), evaluated only where needed (no (L, V) result)
+    if len(wanted) == len(rows):
+        sub, tokens = raw, token_ids
+    else:
+        sel = torch.tensor(wanted, device=raw.device)
+        sub, tokens = raw[sel], token_ids[sel]  # (L, V), (L,)
+    log_norm = sub.logsumexp(dim=-1, keepdim=True)  # (L, 1)
+    sampled = (sub.gather(1, tokens[:, None]) - log_norm).squeeze(1).tolist()  # (L,)
+    ks = [min(rows[i].params.logprobs, MAX_LOGPROBS) for i in wanted]
+    k_max = min(max(ks), raw.shape[1])
+    if k_max > 0:
+        top_values, top_indices = sub.topk(k_max, dim=-1)  # (L, k_max), most likely first
+        top_values, top_indices = (top_values - log_norm).tolist(), top_indices.tolist()
+    out = [SampledToken(token_id=t) for t in ids]
+    for j, (i, k) in enumerate(zip(wanted, ks)):
+        out[i] = SampledToken(
+            token_id=ids[i],
+            logprob=sampled[j],
+            top_token_ids=tuple(top_indices[j][:k]) if k else (),
+            top_logprobs=tuple(top_values[j][:k]) if k else (),
+        )
+    return out

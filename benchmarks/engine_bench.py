@@ -1,0 +1,175 @@
+"""`make bench-engine`: our engine and transformers `generate` on the same weights, in one run.
+
+(a) batch-1 decode tokens/s, beside the memory-bandwidth bound (fp32 weight bytes read per
+    decode step over the matrix-vector bandwidth this script measures on this machine);
+(b) 32 requests, 128-token prompts, output lengths mixed 16..128 (ignore_eos), concurrency 16:
+    aggregate output tokens/s. The engine batches continuously (a finished request's seat is
+    refilled at once); transformers runs static batches of 16 padded to the longest output, and
+    only the requested tokens count as output.
+
+The last line printed is one JSON object (see the keys at the end). Numbers, not tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.checkpoint import load_checkpoint  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.types import SamplingParams, StepOutput  # noqa: E402
+from benchmarks.hf_peer import build_hf_model  # noqa: E402
+
+WORDS = ("alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
+         "window silver echo forest number winter copper ladder candle harbor").split()
+
+
+def make_prompt_ids(tokenizer, rng: random.Random, num_tokens: int) -> list[int]:
+    """A varied prompt of exactly num_tokens tokens (varied, so no run looks instant through prefix caching)."""
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        ids.extend(tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(32))))
+    return ids[:num_tokens]
+
+
+def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """fp32 bytes one decode step reads: every matrix once; the embedding table only as the (tied) LM head."""
+    embed = "model.embed_tokens.weight"
+    total = sum(t.numel() * 4 for name, t in state_dict.items() if name != embed)
+    return total if "lm_head.weight" in state_dict else total + state_dict[embed].numel() * 4
+
+
+def measure_bandwidth_gb_s(repeats: int = 20) -> float:
+    """Matrix-vector product over a 256 MB fp32 matrix: the access pattern of a batch-1 decode step."""
+    w = torch.randn(8192, 8192)
+    x = torch.randn(8192)
+    for _ in range(3):
+        torch.mv(w, x)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.mv(w, x)
+    dt = (time.perf_counter() - t0) / repeats
+    return w.numel() * 4 / dt / 1e9
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> tuple[int, float, float]:
+    """Continuous batching at a fixed concurrency. Returns (output tokens, seconds, decode-only seconds)."""
+    pending = list(range(len(prompts)))
+    active = 0
+    produced = 0
+    first_token_at: float | None = None
+
+    def submit(i: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
+        engine.add_request(engine.make_request(f"bench-{i}-{time.monotonic_ns()}", prompts[i], params))
+
+    t0 = time.perf_counter()
+    while pending and active < concurrency:
+        submit(pending.pop(0))
+        active += 1
+    while engine.has_work():
+        for out in engine.step():
+            assert isinstance(out, StepOutput), out
+            produced += len(out.token_ids)
+            if first_token_at is None and out.token_ids:
+                first_token_at = time.perf_counter()
+            if out.request_finished:
+                active -= 1
+                if pending:
+                    submit(pending.pop(0))
+                    active += 1
+    end = time.perf_counter()
+    return produced, end - t0, end - (first_token_at or t0)
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: list[int], batch: int) -> tuple[int, float]:
+    """Static batches: left-padded prompts, every row generates the batch's longest output."""
+    useful = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        rows = prompts[start:start + batch]
+        lengths = max_tokens[start:start + batch]
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max(lengths),
+                           min_new_tokens=max(lengths), do_sample=False, pad_token_id=0)
+        useful += sum(lengths)
+    return useful, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
+    engine = LLMEngine(EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=2048,
+                                    enable_prefix_caching=False), checkpoint=checkpoint)
+    tok = engine.tokenizer
+    weight_bytes = decode_weight_bytes(checkpoint.state_dict)
+    bandwidth = measure_bandwidth_gb_s()
+    bound = bandwidth * 1e9 / weight_bytes
+    print(f"weights {weight_bytes / 1e6:.0f} MB fp32; measured mat-vec bandwidth {bandwidth:.1f} GB/s; "
+          f"bound {bound:.1f} tok/s", flush=True)
+
+    # (a) batch 1
+    prompt = make_prompt_ids(tok, rng, 16)
+    run_engine(engine, [prompt], [8], 1)  # warm-up
+    n, _, decode_s = run_engine(engine, [prompt], [args.batch1_tokens], 1)
+    engine_b1 = (n - 1) / decode_s
+    print(f"(a) engine batch-1 decode: {engine_b1:.1f} tok/s ({engine_b1 / bound:.0%} of the bound)", flush=True)
+
+    hf_b1 = hf_mixed = float("nan")
+    hf = None
+    if not args.skip_hf:
+        hf = build_hf_model(checkpoint)
+        run_hf(hf, [prompt], [8], 1)  # warm-up
+        n, secs = run_hf(hf, [prompt], [args.batch1_tokens], 1)
+        hf_b1 = n / secs
+        print(f"(a) transformers batch-1 generate: {hf_b1:.1f} tok/s", flush=True)
+
+    # (b) mixed lengths at concurrency 16
+    prompts = [make_prompt_ids(tok, rng, args.prompt_tokens) for _ in range(args.requests)]
+    lengths = [rng.randint(16, 128) for _ in range(args.requests)]
+    n, secs, _ = run_engine(engine, prompts, lengths, args.concurrency)
+    engine_mixed = n / secs
+    print(f"(b) engine, {args.requests} requests at concurrency {args.concurrency}: {n} tokens in {secs:.1f} s "
+          f"= {engine_mixed:.1f} tok/s", flush=True)
+    if hf is not None:
+        n, secs = run_hf(hf, prompts, lengths, args.concurrency)
+        hf_mixed = n / secs
+        print(f"(b) transformers, static batches of {args.concurrency}: {n} tokens in {secs:.1f} s "
+              f"= {hf_mixed:.1f} tok/s", flush=True)
+    print(json.dumps({
+        "engine_batch1_tok_s": round(engine_b1, 2),
+        "hf_batch1_tok_s": round(hf_b1, 2),
+        "bandwidth_gb_s": round(bandwidth, 2),
+        "bandwidth_bound_tok_s": round(bound, 2),
+        "engine_batch1_fraction_of_bound": round(engine_b1 / bound, 3),
+        "engine_mixed_tok_s": round(engine_mixed, 2),
+        "hf_mixed_tok_s": round(hf_mixed, 2),
+        "mixed_ratio": round(engine_mixed / hf_mixed, 2) if hf is not None else None,
+        "batch1_ratio": round(engine_b1 / hf_b1, 2) if hf is not None else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()

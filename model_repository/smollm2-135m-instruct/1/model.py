@@ -1,0 +1,158 @@
+"""Triton Python-backend model (decoupled): a thin adapter between Triton tensors and the engine.
+
+`execute` only parses and enqueues; the engine runs on its own thread (backend/engine_loop.py) and
+a sender thread turns each StepOutput into one response: one response per sequence per step.
+The tensor names are the wire contract of docs/wire-contract.md.
+"""
+
+import itertools
+import json
+import os
+import site
+import sys
+from pathlib import Path
+
+# The stub runs the base interpreter: make the project's venv and repo importable before torch.
+_REPO_ROOT = Path(os.environ.get("LLM_SERVING_REPO_ROOT") or Path(__file__).resolve().parents[3])
+_SITE = os.environ.get("LLM_SERVING_SITE_PACKAGES") or next(
+    iter(sorted((_REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages"))), None)
+if _SITE:
+    site.addsitedir(str(_SITE))
+sys.path.insert(0, str(_REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import EngineStats, LLMEngine  # noqa: E402
+from backend.engine_loop import EngineLoop  # noqa: E402
+from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
+
+_GAUGES = {
+    "num_running": "Sequences in the running batch",
+    "num_waiting": "Sequences waiting to be scheduled",
+    "kv_blocks_used": "KV cache blocks in use",
+    "kv_blocks_free": "KV cache blocks free (including cached ones)",
+    "kv_blocks_cached": "Free KV cache blocks that still hold a reusable prefix",
+    "prefix_cache_hit_ratio": "Prefix cache hits over queries (blocks), since start",
+}
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens received",
+    "generation_tokens": "Tokens generated",
+    "num_preemptions": "Sequences preempted (recomputed later)",
+    "aborted_requests": "Requests aborted (client cancelled)",
+}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        self.engine = LLMEngine(EngineConfig.from_strings(params))
+        self._ids = itertools.count()
+        self._init_metrics(args["model_name"])
+        self.loop = EngineLoop(self.engine, send=self._send, is_cancelled=lambda s: s.is_cancelled(),
+                               on_stats=self._publish_stats)
+        self.loop.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+            try:
+                prompt, params = self._parse(request)
+                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
+            except InvalidRequestError as e:
+                self._send(sender, RequestFailure(request_id, e.message, "invalid_request_error", e.param))
+            except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
+                self._send(sender, RequestFailure(request_id, f"{type(e).__name__}: {e}", "invalid_request_error"))
+        return None
+
+    def finalize(self):
+        self.loop.stop()
+
+    # -- Triton tensors <-> engine types ------------------------------------------------------
+
+    @staticmethod
+    def _parse(request):
+        text = pb_utils.get_input_tensor_by_name(request, "text_input")
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if (text is None) == (ids is None):
+            raise InvalidRequestError("give exactly one of text_input and input_ids", "text_input")
+        if text is not None:
+            values = text.as_numpy().reshape(-1)
+            if values.size != 1:
+                raise InvalidRequestError("text_input must hold exactly one string", "text_input")
+            raw = values[0]
+            prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        else:
+            prompt = [int(t) for t in ids.as_numpy().reshape(-1)]
+        sp = pb_utils.get_input_tensor_by_name(request, "sampling_params")
+        if sp is None:
+            return prompt, SamplingParams()
+        raw = sp.as_numpy().reshape(-1)[0]
+        return prompt, SamplingParams.from_json(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+
+    @staticmethod
+    def _send(sender, output: EngineOutput) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if isinstance(output, RequestFailure):
+            message = json.dumps({"type": output.error_type, "message": output.message, "param": output.param})
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=final)
+            return
+        sender.send(pb_utils.InferenceResponse(output_tensors=_step_tensors(output)),
+                    flags=final if output.request_finished else 0)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _init_metrics(self, model_name):
+        labels = {"model": model_name}
+        kind = pb_utils.MetricFamily
+        self._gauges = {name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE).Metric(labels=labels)
+                        for name, desc in _GAUGES.items()}
+        self._counters = {name: kind(name=f"llm_{name}_total", description=desc, kind=kind.COUNTER).Metric(labels=labels)
+                          for name, desc in _COUNTERS.items()}
+        self._last_counts = dict.fromkeys(_COUNTERS, 0)
+
+    def _publish_stats(self, stats: EngineStats) -> None:
+        for name, metric in self._gauges.items():
+            if name == "prefix_cache_hit_ratio":
+                value = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+            else:
+                value = getattr(stats, name)
+            metric.set(float(value))
+        for name, metric in self._counters.items():
+            value = getattr(stats, name)
+            if value > self._last_counts[name]:
+                metric.increment(float(value - self._last_counts[name]))
+                self._last_counts[name] = value
+
+
+def _bytes_array(values, shape):
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_).reshape(shape)
+
+
+def _step_tensors(out: StepOutput):
+    t = pb_utils.Tensor
+    tensors = [
+        t("seq_index", np.array([out.seq_index], dtype=np.int32)),
+        t("step", np.array([out.step], dtype=np.int32)),
+        t("token_ids", np.array(out.token_ids, dtype=np.int32)),
+        t("text_delta", _bytes_array([out.text_delta], (1,))),
+        t("finish_reason", _bytes_array([out.finish_reason.value if out.finish_reason else ""], (1,))),
+        t("stop_reason", _bytes_array([json.dumps(out.stop_reason)], (1,))),
+        t("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32)),
+        t("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32)),
+    ]
+    lp = out.logprobs
+    if lp is not None:
+        n = len(lp.logprobs)
+        k = len(lp.top_token_ids[0]) if n else 0
+        tensors += [
+            t("logprobs", np.array(lp.logprobs, dtype=np.float32).reshape(n)),
+            t("token_texts", _bytes_array(lp.token_texts, (n,))),
+            t("top_token_ids", np.array(lp.top_token_ids, dtype=np.int32).reshape(n, k)),
+            t("top_logprobs", np.array(lp.top_logprobs, dtype=np.float32).reshape(n, k)),
+            t("top_token_texts", _bytes_array([s for row in lp.top_token_texts for s in row], (n, k))),
+        ]
+    return tensors

@@ -1,0 +1,65 @@
+"""`make serve`: start the real tritonserver and the OpenAI frontend, print the URL, stop both on Ctrl-C.
+
+Ports come from the environment: FRONTEND_PORT (9000), TRITON_HTTP_PORT (8000),
+TRITON_GRPC_PORT (8001), TRITON_METRICS_PORT (8002).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer
+
+
+def _port(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def main() -> int:
+    logs = REPO_ROOT / "artifacts" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    triton = TritonServer(http_port=_port("TRITON_HTTP_PORT", 8000), grpc_port=_port("TRITON_GRPC_PORT", 8001),
+                          metrics_port=_port("TRITON_METRICS_PORT", 8002))
+    frontend = Frontend(triton.grpc_url, port=_port("FRONTEND_PORT", 9000), host=os.environ.get("FRONTEND_HOST", "127.0.0.1"))
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        print("\nstopping the frontend and tritonserver ...", flush=True)
+        frontend.stop()
+        triton.stop()
+
+    signal.signal(signal.SIGINT, lambda *a: stop())
+    signal.signal(signal.SIGTERM, lambda *a: stop())
+    try:
+        print(f"starting tritonserver (log: {logs / 'tritonserver.log'}) ...", flush=True)
+        triton.start(log_path=logs / "tritonserver.log")
+        print(f"starting the OpenAI frontend (log: {logs / 'frontend.log'}) ...", flush=True)
+        frontend.start(log_path=logs / "frontend.log")
+    except (RuntimeError, TimeoutError) as e:
+        print(f"failed to start: {e}", file=sys.stderr)
+        stop()
+        return 1
+    print(f"\nOpenAI API: {frontend.url}/v1   (model: {DEFAULT_MODEL})", flush=True)
+    print(f"Triton: gRPC {triton.grpc_url}, HTTP http://127.0.0.1:{triton.http_port}, metrics {triton.metrics_url}")
+    print(f"Try: curl -N {frontend.url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\":\"{DEFAULT_MODEL}\",\"prompt\":\"The capital of France is\",\"max_tokens\":16,\"stream\":true}}'")
+    print("Ctrl-C stops both.", flush=True)
+    while not stopping:
+        for proc in (triton, frontend):
+            if proc.proc is not None and proc.proc.poll() is not None:
+                print(f"{proc.name} exited with {proc.proc.returncode}; see its log", file=sys.stderr)
+                stop()
+                return 1
+        time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
