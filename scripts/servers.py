@@ -135,7 +135,10 @@ class TritonServer(_Process):
         install = TritonInstall.find()
         install.ensure_stub()
         env = dict(os.environ, LD_LIBRARY_PATH=install.library_path, **self.extra_env)
-        # model.py adds these to sys.path itself (the stub does not reliably honour PYTHONPATH).
+        # The stub imports numpy before model.py runs, so the venv (numpy<2) must precede the base
+        # interpreter's site-packages from the start: PYTHONPATH does that. model.py also puts
+        # the venv first itself, in case a stub ignores PYTHONPATH.
+        env["PYTHONPATH"] = os.pathsep.join([str(_site_packages()), str(REPO_ROOT)])
         env["LLM_SERVING_SITE_PACKAGES"] = str(_site_packages())
         env["LLM_SERVING_REPO_ROOT"] = str(REPO_ROOT)
         cmd = [

@@ -17,7 +17,9 @@ _REPO_ROOT = Path(os.environ.get("LLM_SERVING_REPO_ROOT") or Path(__file__).reso
 _SITE = os.environ.get("LLM_SERVING_SITE_PACKAGES") or next(
     iter(sorted((_REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages"))), None)
 if _SITE:
-    site.addsitedir(str(_SITE))
+    _before = list(sys.path)
+    site.addsitedir(str(_SITE))  # also runs the venv's .pth files
+    sys.path[:] = [p for p in sys.path if p not in _before] + [p for p in _before if p != str(_SITE)]
 sys.path.insert(0, str(_REPO_ROOT))
 
 import numpy as np  # noqa: E402
@@ -108,10 +110,13 @@ class TritonPythonModel:
     def _init_metrics(self, model_name):
         labels = {"model": model_name}
         kind = pb_utils.MetricFamily
-        self._gauges = {name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE).Metric(labels=labels)
-                        for name, desc in _GAUGES.items()}
-        self._counters = {name: kind(name=f"llm_{name}_total", description=desc, kind=kind.COUNTER).Metric(labels=labels)
-                          for name, desc in _COUNTERS.items()}
+        # The families must outlive their metrics, so keep them too.
+        self._families = {name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE)
+                          for name, desc in _GAUGES.items()}
+        self._families.update({name: kind(name=f"llm_{name}_total", description=desc, kind=kind.COUNTER)
+                               for name, desc in _COUNTERS.items()})
+        self._gauges = {name: self._families[name].Metric(labels=labels) for name in _GAUGES}
+        self._counters = {name: self._families[name].Metric(labels=labels) for name in _COUNTERS}
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
 
     def _publish_stats(self, stats: EngineStats) -> None:
