@@ -1,0 +1,104 @@
+"""The decoupled Triton model behind the real tritonserver, over tritonclient gRPC streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate
+
+PROMPT = "The capital of France is"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_n3_logprobs2_streams_exact_per_sequence(servers):
+    params = {"n": 3, "max_tokens": 8, "temperature": 0.8, "seed": 7, "logprobs": 2}
+    result = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, params))
+    check_invariants(result, n=3, max_tokens=8, logprobs=2)
+    for responses in result.by_seq().values():
+        for r in responses:
+            # Top alternatives are sorted and the sampled token's logprob is a real log-probability.
+            for row in r.top_logprobs:
+                assert row == sorted(row, reverse=True)
+            assert all(lp <= 0.0 for lp in r.logprobs)
+            # The logprob token texts join to the text of the step (no stop strings here).
+            assert "".join(r.token_texts) == r.text_delta or r.finish_reason
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_n2_finishing_in_the_same_step_keeps_every_token(servers, max_tokens):
+    params = {"n": 2, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+    result = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, params))
+    check_invariants(result, n=2, max_tokens=max_tokens, logprobs=0)
+    for responses in result.by_seq().values():
+        assert sum(len(r.token_ids) for r in responses) == max_tokens
+        assert responses[-1].finish_reason == "length"
+
+
+def test_text_and_token_ids_prompts_agree(servers):
+    params = {"max_tokens": 6, "temperature": 0}
+    by_text = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, params))
+    check_invariants(by_text, n=1)
+    prompt_ids = None
+    # The same prompt as token ids gives the same tokens (greedy).
+    from backend.tokenizer import Tokenizer  # noqa: PLC0415 - the model's own tokenizer, loaded lazily
+    prompt_ids = Tokenizer.for_source("smollm2").encode(PROMPT)
+    by_ids = run(stream_generate(servers.triton.grpc_url, servers.model, prompt_ids, params))
+    check_invariants(by_ids, n=1)
+    assert [t for r in by_ids.responses for t in r.token_ids] == [t for r in by_text.responses for t in r.token_ids]
+
+
+def test_sixteen_concurrent_requests_of_mixed_n(servers):
+    async def all_requests():
+        jobs = []
+        for i in range(16):
+            n = 1 + i % 3
+            params = {"n": n, "max_tokens": 4 + (i * 5) % 13, "temperature": 0.7, "seed": i, "ignore_eos": True,
+                      "logprobs": 1 if i % 2 else None}
+            jobs.append((n, params, stream_generate(servers.triton.grpc_url, servers.model, f"Story {i}: once", params)))
+        results = await asyncio.gather(*(job for _, _, job in jobs))
+        return [(n, params, result) for (n, params, _), result in zip(jobs, results)]
+
+    for n, params, result in run(all_requests()):
+        check_invariants(result, n=n, max_tokens=params["max_tokens"], logprobs=params["logprobs"])
+        for responses in result.by_seq().values():
+            assert sum(len(r.token_ids) for r in responses) == params["max_tokens"]
+
+
+def test_cancel_mid_stream_frees_kv_blocks(servers):
+    params = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    result = run(stream_generate(servers.triton.grpc_url, servers.model, "Count to a thousand:", params, cancel_after=3))
+    assert len(result.responses) == 3 and not result.responses[-1].finish_reason
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") == 0
+                and metric_value(servers.triton.metrics_url, "llm_num_running") == 0):
+            break
+        time.sleep(0.2)
+    assert metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") == 0
+    assert metric_value(servers.triton.metrics_url, "llm_aborted_requests_total") >= 1
+
+
+@pytest.mark.parametrize(
+    "prompt, params, needle",
+    [
+        (PROMPT, "{not json", "not valid JSON"),
+        (PROMPT, {"max_tokenz": 3}, "unknown sampling parameter"),
+        (PROMPT, {"n": 0}, "n must be"),
+        (PROMPT, {"max_tokens": 0}, "max_tokens"),
+        (PROMPT, {"logprobs": 21}, "logprobs"),
+        ("word " * 9000, {"max_tokens": 1}, "context"),
+        ("", {"max_tokens": 1}, "empty"),
+        (None, {"max_tokens": 1}, "text_input"),
+    ],
+)
+def test_bad_input_gets_an_error_and_the_model_keeps_serving(servers, prompt, params, needle):
+    bad = run(stream_generate(servers.triton.grpc_url, servers.model, prompt, params))
+    assert bad.error is not None and needle in bad.error, bad.error
+    good = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, {"max_tokens": 2}))
+    check_invariants(good, n=1)

@@ -1,0 +1,139 @@
+"""A tiny tritonclient gRPC streaming reader for the Triton-level tests (no frontend involved)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput
+
+
+@dataclass
+class Response:
+    seq_index: int
+    step: int
+    token_ids: list[int]
+    text_delta: str
+    finish_reason: str
+    stop_reason: object
+    num_prompt_tokens: int
+    num_output_tokens: int
+    final: bool
+    logprobs: list[float] | None = None
+    token_texts: list[str] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class StreamResult:
+    responses: list[Response] = field(default_factory=list)
+    error: str | None = None
+
+    def by_seq(self) -> dict[int, list[Response]]:
+        out: dict[int, list[Response]] = {}
+        for r in self.responses:
+            out.setdefault(r.seq_index, []).append(r)
+        return out
+
+
+def make_inputs(prompt: str | list[int] | None, params: dict | None) -> list[InferInput]:
+    inputs = []
+    if isinstance(prompt, str):
+        t = InferInput("text_input", [1], "BYTES")
+        t.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        inputs.append(t)
+    elif prompt is not None:
+        t = InferInput("input_ids", [len(prompt)], "INT32")
+        t.set_data_from_numpy(np.array(prompt, dtype=np.int32))
+        inputs.append(t)
+    if params is not None:
+        raw = params if isinstance(params, str) else json.dumps(params)
+        t = InferInput("sampling_params", [1], "BYTES")
+        t.set_data_from_numpy(np.array([raw.encode()], dtype=np.object_))
+        inputs.append(t)
+    return inputs
+
+
+def _decode(result) -> Response:
+    def arr(name):
+        return result.as_numpy(name)
+
+    def text(name):
+        return arr(name).reshape(-1)[0].decode()
+
+    r = Response(
+        seq_index=int(arr("seq_index")[0]),
+        step=int(arr("step")[0]),
+        token_ids=[int(t) for t in arr("token_ids")],
+        text_delta=text("text_delta"),
+        finish_reason=text("finish_reason"),
+        stop_reason=json.loads(text("stop_reason")),
+        num_prompt_tokens=int(arr("num_prompt_tokens")[0]),
+        num_output_tokens=int(arr("num_output_tokens")[0]),
+        final=result.get_response().parameters["triton_final_response"].bool_param,
+    )
+    if arr("logprobs") is not None:
+        r.logprobs = [float(x) for x in arr("logprobs")]
+        r.token_texts = [x.decode() for x in arr("token_texts").reshape(-1)]
+        r.top_token_ids = arr("top_token_ids").tolist()
+        r.top_logprobs = arr("top_logprobs").tolist()
+    return r
+
+
+async def stream_generate(url: str, model: str, prompt, params, cancel_after: int | None = None) -> StreamResult:
+    """Sends one request and reads every response until the final flag (or cancels after N)."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        async def requests():
+            yield {"model_name": model, "inputs": make_inputs(prompt, params)}
+
+        stream = client.stream_infer(requests())
+        out = StreamResult()
+        async for result, error in stream:
+            if error is not None:
+                out.error = str(error)
+                break
+            response = _decode(result)
+            out.responses.append(response)
+            if cancel_after is not None and len(out.responses) >= cancel_after:
+                stream.cancel()
+                break
+            if response.final:
+                break
+        return out
+    finally:
+        await client.close()
+
+
+def metric_value(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as f:
+        for line in f.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def check_invariants(result: StreamResult, n: int, max_tokens: int | None = None, logprobs: int | None = None) -> None:
+    """The invariants of ARCHITECTURE.md, per sequence."""
+    assert result.error is None, result.error
+    seqs = result.by_seq()
+    assert sorted(seqs) == list(range(n))
+    assert sum(r.final for r in result.responses) == 1 and result.responses[-1].final
+    for index, responses in seqs.items():
+        assert [r.step for r in responses] == list(range(len(responses))), f"seq {index}: steps not contiguous"
+        finishes = [r for r in responses if r.finish_reason]
+        assert len(finishes) == 1 and finishes[0] is responses[-1], f"seq {index}: not exactly one finish, last"
+        tokens = [t for r in responses for t in r.token_ids]
+        assert responses[-1].num_output_tokens == len(tokens)
+        assert [r.num_output_tokens for r in responses] == list(np.cumsum([len(r.token_ids) for r in responses]))
+        if max_tokens is not None and responses[-1].finish_reason == "length":
+            assert len(tokens) == max_tokens
+        if logprobs is not None:
+            for r in responses:
+                assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids)
+                assert len(r.top_token_ids) == len(r.token_ids)
+                assert all(len(row) == logprobs for row in r.top_token_ids)

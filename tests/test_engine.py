@@ -1,0 +1,166 @@
+"""The engine end to end in-process (tiny random model, real tokenizer, scheduler, KV cache, sampler)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backend.types import FinishReason, InvalidRequestError, RequestFailure, SamplingParams, StepOutput
+from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_engine
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+def generate(engine, prompt=PROMPT, request_id="r", **params):
+    engine.add_request(engine.make_request(request_id, prompt, SamplingParams.from_dict(params)))
+    outputs = run_to_completion(engine)
+    return check_stream_invariants(outputs, {request_id: params.get("n", 1)})
+
+
+def tokens(msgs: list[StepOutput]) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_n4_finishing_in_the_same_step_each_keep_their_last_tokens(engine, max_tokens):
+    per_seq = generate(engine, n=4, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True, logprobs=0)
+    assert sorted(i for _, i in per_seq) == [0, 1, 2, 3]
+    last_messages = []
+    for msgs in per_seq.values():
+        assert len(tokens(msgs)) == max_tokens
+        assert msgs[-1].finish_reason is FinishReason.LENGTH
+        assert [len(m.token_ids) for m in msgs] == [1] * max_tokens
+        last_messages.append(msgs[-1])
+    assert sum(m.request_finished for m in last_messages) == 1
+    assert engine.block_manager.stats().used == 0
+
+
+def test_text_deltas_join_to_the_decoded_tokens(engine):
+    per_seq = generate(engine, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, logprobs=2)
+    (msgs,) = per_seq.values()
+    text = "".join(m.text_delta for m in msgs)
+    assert text == engine.tokenizer.decode(tokens(msgs))
+    assert "".join(t for m in msgs for t in m.logprobs.token_texts) == text
+    for m in msgs:
+        assert all(len(row) == 2 for row in m.logprobs.top_token_ids)
+
+
+def test_seeded_sampling_is_reproducible_and_siblings_differ(engine):
+    a = generate(engine, request_id="a", n=2, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    b = generate(engine, request_id="b", n=2, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    assert tokens(a[("a", 0)]) == tokens(b[("b", 0)]) and tokens(a[("a", 1)]) == tokens(b[("b", 1)])
+    assert tokens(a[("a", 0)]) != tokens(a[("a", 1)])
+
+
+def test_eos_is_counted_with_empty_text_and_min_tokens_defers_it(engine):
+    eos = engine.tokenizer.eos_token_ids[0]
+    (msgs,) = generate(engine, max_tokens=5, logit_bias={eos: 100.0}, logprobs=0).values()
+    assert tokens(msgs) == [eos] and msgs[-1].text_delta == "" and msgs[-1].finish_reason is FinishReason.STOP
+    assert msgs[-1].logprobs.token_texts == ("",) and msgs[-1].num_output_tokens == 1
+    (msgs,) = generate(engine, max_tokens=9, min_tokens=3, logit_bias={eos: 100.0}).values()
+    assert len(tokens(msgs)) == 4 and tokens(msgs)[-1] == eos and msgs[-1].finish_reason is FinishReason.STOP
+
+
+def test_stop_token_id_reports_its_id(engine):
+    (msgs,) = generate(engine, max_tokens=6, logit_bias={42: 100.0}, stop_token_ids=[42]).values()
+    assert tokens(msgs) == [42] and msgs[-1].stop_reason == 42 and msgs[-1].finish_reason is FinishReason.STOP
+
+
+def test_context_limits():
+    engine = tiny_engine(max_model_len=32)
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.make_request("long", list(range(100, 132)), SamplingParams())
+    (msgs,) = generate(engine, prompt=list(range(100, 120)), max_tokens=None, ignore_eos=True).values()
+    assert msgs[-1].finish_reason is FinishReason.LENGTH and msgs[-1].num_prompt_tokens + len(tokens(msgs)) == 32
+
+
+def test_abort_frees_blocks_at_once_and_ends_every_sequence(engine):
+    engine.add_request(engine.make_request("x", PROMPT, SamplingParams(n=3, max_tokens=50, ignore_eos=True)))
+    first = engine.step() + engine.step()
+    assert engine.block_manager.stats().used > 0
+    engine.abort_request("x")
+    assert engine.block_manager.stats().used == 0
+    rest = run_to_completion(engine)
+    per_seq = check_stream_invariants(first + rest, {"x": 3})
+    assert all(msgs[-1].finish_reason is FinishReason.ABORT for msgs in per_seq.values())
+
+
+def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(engine, monkeypatch):
+    engine.add_request(engine.make_request("doomed", PROMPT, SamplingParams(max_tokens=4)))
+    real = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    outputs = engine.step()
+    assert [type(o) for o in outputs] == [RequestFailure] and "boom" in outputs[0].message
+    assert engine.block_manager.stats().used == 0 and not engine.has_work()
+    monkeypatch.setattr(engine.runner, "execute", real)
+    (msgs,) = generate(engine, request_id="fine", max_tokens=3, ignore_eos=True).values()
+    assert len(tokens(msgs)) == 3
+
+
+def test_greedy_output_is_the_same_under_preemption_and_chunked_prefill():
+    prompts = [list(range(200 + 7 * i, 230 + 7 * i)) for i in range(6)]
+
+    def run(**config):
+        engine = tiny_engine(**config)
+        for i, p in enumerate(prompts):
+            engine.add_request(engine.make_request(f"q{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+        per_seq = check_stream_invariants(run_to_completion(engine), {f"q{i}": 1 for i in range(6)})
+        return {k: tokens(v) for k, v in per_seq.items()}, engine
+
+    roomy, _ = run(num_kv_blocks=128, max_num_batched_tokens=512)
+    tight, engine = run(num_kv_blocks=14, max_num_batched_tokens=16, max_model_len=100)
+    assert engine.scheduler.num_preemptions > 0
+    assert tight == roomy
+
+
+requests_strategy = st.lists(
+    st.fixed_dictionaries({
+        "n": st.integers(1, 3),
+        "max_tokens": st.integers(1, 10),
+        "prompt_len": st.integers(1, 40),
+        "logprobs": st.sampled_from([None, 0, 2]),
+        "stop": st.sampled_from([[], ["e"], [" the", "\n"]]),
+        "abort_at": st.one_of(st.none(), st.integers(0, 12)),
+        "arrive_at": st.integers(0, 6),
+    }),
+    min_size=1, max_size=6,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests_strategy, blocks=st.integers(12, 40), budget=st.integers(16, 64), prefix=st.booleans())
+def test_random_requests_aborts_and_tiny_pools_keep_every_invariant(reqs, blocks, budget, prefix):
+    engine = tiny_engine(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=96,
+                         enable_prefix_caching=prefix)
+    outputs, step = [], 0
+    pending = dict(enumerate(reqs))
+    while pending or engine.has_work():
+        for i, r in list(pending.items()):
+            if r["arrive_at"] <= step:
+                prompt = [100 + (i * 31 + j * 7) % 500 for j in range(r["prompt_len"])]
+                params = SamplingParams(n=r["n"], max_tokens=r["max_tokens"], logprobs=r["logprobs"], stop=tuple(r["stop"]),
+                                        temperature=0.9, seed=i)
+                engine.add_request(engine.make_request(f"h{i}", prompt, params))
+                del pending[i]
+        for i, r in enumerate(reqs):
+            if r["abort_at"] == step:
+                engine.abort_request(f"h{i}")
+        outputs.extend(engine.step())
+        step += 1
+        assert step < 2000
+    per_seq = check_stream_invariants(outputs, {f"h{i}": r["n"] for i, r in enumerate(reqs)})
+    for (request_id, _), msgs in per_seq.items():
+        r = reqs[int(request_id[1:])]
+        assert len(tokens(msgs)) <= r["max_tokens"]
+        if msgs[-1].finish_reason is FinishReason.LENGTH:
+            assert len(tokens(msgs)) == r["max_tokens"]
+        for stop in r["stop"]:
+            assert stop not in "".join(m.text_delta for m in msgs)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.stats().used == 0
