@@ -141,7 +141,8 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
     if bias_at:  # each token once per row (logit_bias comes from a dict), so no accumulate needed
         flat[torch.tensor(bias_at, device=device)] += torch.tensor(bias_values, device=device)
     if rep_rows:
-        at, _ = _occurrences(rep_rows, [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep_rows], V, device)
+        seen_tokens = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep_rows]
+        at, _ = _occurrences(rep_rows, seen_tokens, V, device)
         penalty = _per_row(S, rep_rows, [rows[i].params.repetition_penalty for i in rep_rows], device)[at // V]
         seen = flat[at]
         flat[at] = torch.where(seen > 0, seen / penalty, seen * penalty)
@@ -225,7 +226,7 @@ def _filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         _drop_below(weights, floor)
     p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
-        top_p = torch.tensor([params[i].top_p for i in p_rows], device=device)[:, None]  # (P, 1)
+        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float64, device=device)[:, None]  # (P, 1)
         if len(p_rows) == R:
             _drop_below(weights, _top_p_floor(weights, top_p))
         else:
@@ -251,17 +252,17 @@ def _top_p_floor(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     nucleus is wider than that sort the whole vocabulary (~20x the cost of a small topk on CPU).
     """
     V = weights.shape[1]
-    total = weights.sum(dim=-1, keepdim=True)  # (P, 1)
-    out = torch.zeros_like(total)
+    total = weights.sum(dim=-1, keepdim=True, dtype=torch.float64)  # (P, 1)
+    out = torch.zeros_like(weights[:, :1])  # (P, 1)
     pending = torch.arange(weights.shape[0], device=weights.device)
     for candidates in (*_TOP_P_CANDIDATES, V):
         k = min(candidates, V)
         rows = weights if pending.numel() == weights.shape[0] else weights[pending]  # (P', V)
         values = rows.topk(k, dim=-1).values  # (P', k), descending
-        probs = values / total[pending]  # (P', k)
+        probs = values.double() / total[pending]  # (P', k)
         cumulative = probs.cumsum(dim=-1)  # (P', k)
         p = top_p[pending]  # (P', 1)
-        kept = ((cumulative - probs) < p).sum(dim=-1, keepdim=True)  # (P', 1) >= 1, a prefix
+        kept = ((cumulative - probs) < p).sum(dim=-1, keepdim=True).clamp_(min=1)  # (P', 1), a prefix
         found = (cumulative[:, -1:] >= p).squeeze(1) | (k == V)  # (P',): the nucleus ends in here
         out[pending[found]] = values.gather(1, kept - 1)[found]
         pending = pending[~found]
@@ -296,15 +297,16 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if pad:
         weights = torch.nn.functional.pad(weights, (0, pad))
     blocks = weights.view(R, -1, _CDF_BLOCK)  # (R, NB, B)
-    block_mass = blocks.sum(dim=-1).double()  # (R, NB)
+    block_mass = blocks.sum(dim=-1, dtype=torch.float64)  # (R, NB)
     block_cdf = block_mass.cumsum(dim=-1)  # (R, NB)
     target = _below(u[:, None] * block_cdf[:, -1:], block_cdf[:, -1:])  # (R, 1)
-    block = torch.searchsorted(block_cdf, target, right=True)  # (R, 1)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)  # (R, 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # (R, 1)
     fraction = (target - before) / block_mass.gather(1, block)  # (R, 1) in [0, 1)
     inner = blocks[torch.arange(R, device=weights.device), block.squeeze(1)].double().cumsum(dim=-1)  # (R, B)
     offset = torch.searchsorted(inner, _below(fraction * inner[:, -1:], inner[:, -1:]), right=True)  # (R, 1)
-    return (block * _CDF_BLOCK + offset).squeeze(1)
+    # the clamps only matter for NaN weights (NaN logits): a wrong token rather than a crashed batch
+    return (block * _CDF_BLOCK + offset.clamp_(max=_CDF_BLOCK - 1)).squeeze(1).clamp_(max=V - 1)
 
 
 def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
