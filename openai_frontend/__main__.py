@@ -1,0 +1,19 @@
+"""`python -m openai_frontend --help`: serve the OpenAI API for the models of a Triton server."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from openai_frontend.app import create_app
+from openai_frontend.settings import parse_settings
+from openai_frontend.triton_client import TritonEngineClient
+
+
+def main() -> None:
+    settings = parse_settings()
+    app = create_app(TritonEngineClient(settings.triton_url), settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+if __name__ == "__main__":
+    main()

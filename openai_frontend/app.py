@@ -1,0 +1,125 @@
+"""The FastAPI app: `create_app(engine_client, settings)` wires routers, error handlers and metrics.
+
+Typed errors (errors.py) become OpenAI error JSON here; request validation errors are 400 (not
+FastAPI's 422) and name the offending field.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openai_frontend.engine_client import EngineClient
+from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, RouteNotFound
+from openai_frontend.metrics import Metrics
+from openai_frontend.routers import chat, completions, health, models
+from openai_frontend.service import Service
+from openai_frontend.settings import Settings
+
+log = logging.getLogger("openai_frontend")
+
+
+def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.close()
+
+    app = FastAPI(title="LLM serving OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.service = Service(engine, settings, metrics)
+    app.state.started = int(time.time())
+    for module in (completions, chat, models, health):
+        app.include_router(module.router)
+
+    app.add_exception_handler(FrontendError, _frontend_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(_RequestMetrics, metrics=metrics)
+    return app
+
+
+def _error_response(error: FrontendError) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status_code)
+
+
+async def _frontend_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, FrontendError)
+    return _error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors: list[Any] = list(exc.errors())
+
+    def where(error: dict[str, Any]) -> str:
+        loc = [str(x) for x in error.get("loc", ())]
+        return ".".join(loc[1:] if loc[:1] == ["body"] else loc) or "body"
+
+    unknown = [where(e) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        error = InvalidRequest(f"Unrecognized or unsupported request argument(s): {', '.join(unknown)}", unknown[0])
+    elif errors:
+        text = "; ".join(f"{where(e)}: {e.get('msg', 'invalid')}" for e in errors[:4])
+        error = InvalidRequest(f"Invalid request: {text}", where(errors[0]))
+    else:
+        error = InvalidRequest("Invalid request")
+    return _error_response(error)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        return _error_response(RouteNotFound(f"no route for {request.method} {request.url.path}"))
+    error = FrontendError(str(exc.detail))
+    error.status_code = exc.status_code
+    error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(error)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return _error_response(EngineFailure(f"internal error: {type(exc).__name__}"))
+
+
+class _RequestMetrics:
+    """Counts every HTTP request by endpoint and status (pure ASGI: streaming stays unbuffered)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.observe_request(scope["path"], status)

@@ -1,0 +1,52 @@
+"""Chat templates: the model's Jinja2 template (Triton model parameter `chat_template`) rendered
+in a sandbox, as Hugging Face's `apply_chat_template(..., add_generation_prompt=True)` does.
+
+Compiled templates are cached per (model, template text), so a reloaded model with a new template
+gets a fresh compile while the common case compiles once.
+"""
+
+from __future__ import annotations
+
+import datetime
+from functools import lru_cache
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from openai_frontend.engine_client import ModelInfo
+from openai_frontend.errors import InvalidRequest
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=64)
+def _compile(model: str, source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def render_chat(model: ModelInfo, messages: list[dict[str, Any]]) -> str:
+    """The prompt text for `messages`, ending with the assistant generation prompt.
+
+    Raises InvalidRequest when the model has no template or the template refuses the messages
+    (e.g. roles that do not alternate).
+    """
+    if not model.chat_template:
+        raise InvalidRequest(f"model `{model.name}` has no chat template; use /v1/completions", "messages")
+    try:
+        template = _compile(model.name, model.chat_template)
+        return template.render(
+            messages=messages, add_generation_prompt=True, bos_token=model.bos_token, eos_token=model.eos_token
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise InvalidRequest(f"chat template error: {e}", "messages") from None

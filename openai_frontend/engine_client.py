@@ -1,0 +1,53 @@
+"""The boundary between the HTTP service and the engine: the `EngineClient` protocol.
+
+The service talks only to this protocol. `TritonEngineClient` (triton_client.py) is the real one,
+speaking gRPC to Triton; the unit tests use a fake that replays scripted StepOutputs. Both raise the
+typed errors of errors.py (ModelNotFound, EngineUnavailable, InvalidRequest, EngineFailure) and
+never return error values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from backend.types import SamplingParams, StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the frontend needs to know about one LLM model (Triton model config parameters)."""
+
+    name: str
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    max_model_len: int | None = None
+
+
+class EngineClient(Protocol):
+    async def ready(self) -> bool:
+        """True when the engine server and at least one LLM model are ready to serve."""
+        ...
+
+    async def list_models(self) -> list[ModelInfo]:
+        """The ready LLM models (model_type == "llm"); raises EngineUnavailable."""
+        ...
+
+    async def model_config(self, model: str) -> ModelInfo:
+        """Raises ModelNotFound (not there or not an LLM) or EngineUnavailable."""
+        ...
+
+    def generate(
+        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StepOutput]:
+        """One engine request: yields one StepOutput per sequence per step, in arrival order.
+
+        Values are passed on as received (no checking of step order: the service does that).
+        Raises InvalidRequest (the engine refused it), EngineFailure or EngineUnavailable. Closing
+        the iterator before the end (client gone) cancels the engine request.
+        """
+        ...
+
+    async def close(self) -> None: ...

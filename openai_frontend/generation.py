@@ -1,0 +1,173 @@
+"""One OpenAI request's engine work: one engine request per prompt, run concurrently, merged into
+one checked stream of (prompt_index, StepOutput).
+
+Every StepOutput is checked against the state of its sequence, keyed by (prompt_index, seq_index),
+before anyone renders it (invariants 2 and 3 of ARCHITECTURE.md):
+- `step` is the next one expected (from 0, no gap, no repeat);
+- nothing arrives for a sequence after its finish, and every sequence finishes exactly once;
+- `num_output_tokens` equals the tokens received so far (so usage == tokens streamed);
+- with logprobs requested, one logprob entry per token.
+A violation raises StreamIntegrityError and counts in the integrity metric; the caller ends the
+stream with an error, so a corrupted text is never sent.
+
+Closing the `events()` iterator early (client gone, a violation, an error) cancels the producer
+tasks, which closes each engine stream and so cancels the Triton requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from backend.types import SamplingParams, StepOutput
+from openai_frontend.engine_client import EngineClient
+from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
+from openai_frontend.metrics import Metrics
+
+
+@dataclass(slots=True)
+class _SeqState:
+    next_step: int = 0
+    finished: bool = False
+    tokens: int = 0
+    last_token_time: float | None = None
+
+
+# Messages from the producer tasks to the consumer (one queue per Generation).
+@dataclass(frozen=True, slots=True)
+class _Output:
+    prompt_index: int
+    out: StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    prompt_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: FrontendError
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Generation:
+    def __init__(self, engine: EngineClient, model: str, prompts: Sequence[str | tuple[int, ...]],
+                 params: SamplingParams, request_id: str, metrics: Metrics, arrival: float | None = None) -> None:
+        self.engine, self.model, self.prompts, self.params = engine, model, prompts, params
+        self.request_id, self.metrics = request_id, metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        # One state per sequence, keyed by (prompt_index, seq_index).
+        self._seqs = {(p, s): _SeqState() for p in range(len(prompts)) for s in range(params.n)}
+        self._prompt_tokens: dict[int, int] = {}  # prompt_index -> num_prompt_tokens, once heard from
+        self._completion_tokens = 0
+        self._first_token_seen = False
+
+    @property
+    def usage(self) -> Usage:
+        """Running usage: prompt tokens of the prompts heard from so far, tokens received so far."""
+        return Usage(sum(self._prompt_tokens.values()), self._completion_tokens)
+
+    async def events(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        queue: asyncio.Queue[_Output | _End | _Failed] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._produce(p, prompt, queue)) for p, prompt in enumerate(self.prompts)]
+        self.metrics.requests_in_flight.inc()
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if isinstance(item, _Failed):
+                    raise item.error
+                if isinstance(item, _End):
+                    running -= 1
+                    self._check_all_finished(item.prompt_index)
+                    continue
+                self._check(item.prompt_index, item.out)
+                yield item.prompt_index, item.out
+        finally:
+            self.metrics.requests_in_flight.dec()
+            for task in tasks:
+                task.cancel()
+            # Under a cancelled anyio scope (Starlette on disconnect) this await may be interrupted;
+            # the tasks are cancelled all the same and close their engine streams on their own.
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _produce(self, p: int, prompt: str | tuple[int, ...], queue: asyncio.Queue) -> None:
+        engine_prompt = prompt if isinstance(prompt, str) else list(prompt)
+        finished: set[int] = set()
+        try:
+            stream = self.engine.generate(self.model, engine_prompt, self.params, f"{self.request_id}-{p}")
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait(_Output(p, out))
+                    if out.finish_reason is not None:
+                        finished.add(out.seq_index)
+                        if len(finished) == self.params.n:
+                            break  # all sequences done: do not wait on the engine for more
+            queue.put_nowait(_End(p))
+        except FrontendError as e:
+            queue.put_nowait(_Failed(e))
+        except Exception as e:  # noqa: BLE001 - a bug in a client must end the request, not hang it
+            queue.put_nowait(_Failed(EngineFailure(f"engine client failed: {type(e).__name__}: {e}")))
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def _violation(self, p: int, seq: int, what: str) -> StreamIntegrityError:
+        self.metrics.integrity_violations.inc()
+        return StreamIntegrityError(
+            f"stream integrity violation in request {self.request_id}, prompt {p}, sequence {seq}: {what}")
+
+    def _check(self, p: int, out: StepOutput) -> None:
+        n = self.params.n
+        if not 0 <= out.seq_index < n:
+            raise self._violation(p, out.seq_index, f"seq_index out of range for n={n}")
+        state = self._seqs[(p, out.seq_index)]
+        if state.finished:
+            raise self._violation(p, out.seq_index, f"response (step {out.step}) after the sequence finished")
+        if out.step != state.next_step:
+            kind = "repeated" if out.step < state.next_step else "gap before"
+            raise self._violation(p, out.seq_index, f"{kind} step {out.step} (expected {state.next_step})")
+        ntok = len(out.token_ids)
+        lp = out.logprobs
+        if self.params.logprobs is not None and (lp is not None or ntok):
+            if lp is None or not (len(lp.logprobs) == len(lp.token_texts) == len(lp.top_token_ids) == ntok):
+                raise self._violation(p, out.seq_index, f"logprob entries do not match the {ntok} tokens of step {out.step}")
+        if state.tokens + ntok != out.num_output_tokens:
+            raise self._violation(p, out.seq_index, f"num_output_tokens {out.num_output_tokens} at step {out.step} "
+                                                    f"but {state.tokens + ntok} tokens received")
+        # Accept the message: update the sequence state, usage and latency metrics.
+        state.next_step += 1
+        state.tokens += ntok
+        state.finished = out.finish_reason is not None
+        if p not in self._prompt_tokens:
+            self._prompt_tokens[p] = out.num_prompt_tokens
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+        if ntok:
+            now = time.monotonic()
+            self._completion_tokens += ntok
+            self.metrics.generation_tokens.inc(ntok)
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+            if state.last_token_time is not None:
+                self.metrics.inter_token_latency.observe((now - state.last_token_time) / ntok)
+            state.last_token_time = now
+        if out.request_finished:
+            self._check_all_finished(p)
+
+    def _check_all_finished(self, p: int) -> None:
+        for seq in range(self.params.n):
+            if not self._seqs[(p, seq)].finished:
+                raise self._violation(p, seq, "the engine request ended before the sequence finished")

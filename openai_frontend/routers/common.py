@@ -1,0 +1,97 @@
+"""What the routers share: the service from app state, API-key check, disconnect handling, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from openai_frontend.errors import AuthenticationFailed, ClientDisconnected, EngineFailure, FrontendError
+from openai_frontend.service import Service
+
+log = logging.getLogger("openai_frontend")
+T = TypeVar("T")
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency of the /v1 routers: 'Authorization: Bearer <key>' when a key is set."""
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise AuthenticationFailed("Incorrect API key provided.")
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (uvicorn does not cancel handlers).
+
+    Cancelling it closes the engine streams, which cancels the Triton requests; the handler then
+    ends with ClientDisconnected (status 499, sent to nobody).
+    """
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # let it close its engine streams
+    log.info("client disconnected: request cancelled")
+    raise ClientDisconnected("client closed the connection")
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a disconnect cancels at once."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """`data: <json>` per chunk, then `data: [DONE]`; a failure mid-stream becomes `data: {"error": ...}`."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {_json(chunk)}\n\n"
+        except FrontendError as e:
+            log.warning("stream ended with error: %s", e.message)
+            yield f"data: {_json(e.to_dict())}\n\n"
+        except Exception as e:  # noqa: BLE001 - the client must still get an error event and [DONE]
+            log.exception("stream failed")
+            yield f"data: {_json(EngineFailure(f'internal error: {type(e).__name__}').to_dict())}\n\n"
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    return _ClosingStreamingResponse(body(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,19 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from openai_frontend.routers.common import cancel_on_disconnect, require_api_key, service, sse_response
+from openai_frontend.schemas import CompletionRequest
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    svc = service(request)
+    if body.stream:
+        return sse_response(await cancel_on_disconnect(request, svc.completion_stream(body)))
+    return JSONResponse(await cancel_on_disconnect(request, svc.completion(body)))

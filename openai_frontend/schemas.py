@@ -1,0 +1,84 @@
+"""Pydantic request schemas of the OpenAI API subset we serve.
+
+`extra="forbid"` everywhere: an unknown or unsupported field (tools, functions, suffix, ...) is a
+400 that names it, never silently ignored. Range checks of sampling values live in
+backend.types.SamplingParams (one place); the schemas check types and the OpenAI-only rules.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extra sampling ones)."""
+
+    model: str
+    n: int | None = None  # None (JSON null) means 1, as in OpenAI's API
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # None: True
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, not used
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """Text parts are joined with a newline, as vLLM does."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None

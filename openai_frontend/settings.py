@@ -1,0 +1,64 @@
+"""Frontend settings: one frozen object, parsed from the command line at the edge (`python -m openai_frontend`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    triton_url: str = "localhost:8001"
+    host: str = "127.0.0.1"
+    port: int = 9000
+    default_max_tokens: int = 16  # completions, like OpenAI's
+    chat_default_max_tokens: int | None = None  # None: up to the model's context window
+    cors_origins: tuple[str, ...] = ()
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ValueError("--default-max-tokens must be >= 1")
+        if self.chat_default_max_tokens is not None and self.chat_default_max_tokens < 1:
+            raise ValueError("--chat-default-max-tokens must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env_port = os.environ.get("FRONTEND_PORT")
+    parser = argparse.ArgumentParser(
+        prog="python -m openai_frontend",
+        description="OpenAI-compatible HTTP frontend (FastAPI) for the LLM served by Triton over gRPC.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint, host:port")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=int(env_port) if env_port else 9000,
+                        help="HTTP port (the environment variable FRONTEND_PORT, when set, replaces the default 9000)")
+    parser.add_argument("--default-max-tokens", type=int, default=16,
+                        help="max_tokens of /v1/completions requests that give none (OpenAI's default is 16)")
+    parser.add_argument("--chat-default-max-tokens", type=int, default=None,
+                        help="max_tokens of /v1/chat/completions requests that give none; unset: up to the context window")
+    parser.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+                        help="allow cross-origin requests from ORIGIN (repeatable; '*' allows any)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1/* (default from FRONTEND_API_KEY; "
+                             "unset: no authentication)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn log level")
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> Settings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return Settings(triton_url=args.triton_url, host=args.host, port=args.port,
+                        default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
+                        cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level)
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,286 @@
+"""TritonEngineClient: the EngineClient over Triton's gRPC API (tritonclient.grpc.aio).
+
+One shared `tritonclient.grpc.aio.InferenceServerClient` (one gRPC channel) per frontend process,
+created lazily inside the running event loop. Each engine request is one bidirectional
+`ModelStreamInfer` call carrying one request and reading one response per StepOutput
+(docs/wire-contract.md) until the response flagged `triton_final_response`.
+
+Why the stub and not `InferenceServerClient.stream_infer`: the aio `stream_infer` cannot ask for
+the empty final response (`triton_enable_empty_final_response` is a reserved parameter it refuses,
+and it has no keyword for it, unlike the sync client). Without it a model that ends a request with a
+flags-only response would leave us waiting forever. So the request is built here from public
+protobuf types and sent through the client's own stub (`_client_stub`, the one attribute of
+tritonclient used that is not public); responses are decoded with the public `InferResult`.
+Cancelling the gRPC call (on client disconnect) makes Triton cancel the request, and the model's
+`is_cancelled()` lets the engine free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
+
+from backend.types import FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from openai_frontend.engine_client import ModelInfo
+from openai_frontend.errors import (
+    EngineFailure,
+    EngineUnavailable,
+    FrontendError,
+    ModelNotFound,
+    from_engine_message,
+)
+
+FINAL_FLAG = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def build_request(model: str, prompt: str | list[int], params: SamplingParams, request_id: str) -> service_pb2.ModelInferRequest:
+    """The ModelInferRequest of the wire contract: text_input or input_ids, plus sampling_params."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    if isinstance(prompt, str):
+        _add_bytes_input(request, "text_input", [prompt])
+    else:
+        request.inputs.add(name="input_ids", datatype="INT32", shape=[len(prompt)])
+        request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
+    _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
+    request.parameters[EMPTY_FINAL].bool_param = True
+    return request
+
+
+def _add_bytes_input(request: service_pb2.ModelInferRequest, name: str, values: list[str]) -> None:
+    request.inputs.add(name=name, datatype="BYTES", shape=[len(values)])
+    array = np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+    request.raw_input_contents.append(serialize_byte_tensor(array).item())
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def is_final(response: service_pb2.ModelInferResponse) -> bool:
+    params = response.parameters
+    return FINAL_FLAG in params and params[FINAL_FLAG].bool_param
+
+
+def decode_response(response: service_pb2.ModelInferResponse, request_id: str) -> StepOutput | None:
+    """One Triton response -> one StepOutput (None for the empty final response).
+
+    Raises EngineFailure (code bad_response) when a tensor of the contract is missing or malformed.
+    """
+    if len(response.outputs) == 0:
+        return None
+    result = InferResult(response)
+
+    def tensor(name: str) -> np.ndarray:
+        array = result.as_numpy(name)
+        if array is None:
+            raise EngineFailure(f"Triton response lacks output `{name}`", code="bad_response")
+        return array
+
+    def scalar_int(name: str) -> int:
+        return int(tensor(name).reshape(-1)[0])
+
+    def scalar_text(name: str) -> str:
+        return _text(tensor(name).reshape(-1)[0])
+
+    try:
+        finish = scalar_text("finish_reason")
+        stop_reason = json.loads(scalar_text("stop_reason") or "null")
+        if stop_reason is not None and (isinstance(stop_reason, bool) or not isinstance(stop_reason, (str, int))):
+            raise ValueError(f"stop_reason must be null, a string or an integer, not {stop_reason!r}")
+        logprobs = _decode_logprobs(result)
+        return StepOutput(
+            request_id=request_id,
+            seq_index=scalar_int("seq_index"),
+            step=scalar_int("step"),
+            token_ids=tuple(int(t) for t in tensor("token_ids").reshape(-1)),
+            text_delta=scalar_text("text_delta"),
+            logprobs=logprobs,
+            finish_reason=FinishReason(finish) if finish else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=scalar_int("num_prompt_tokens"),
+            num_output_tokens=scalar_int("num_output_tokens"),
+            request_finished=is_final(response),
+        )
+    except (ValueError, IndexError, UnicodeDecodeError) as e:  # JSON, enum, reshape, empty tensors, UTF-8
+        raise EngineFailure(f"malformed Triton response: {e}", code="bad_response") from None
+
+
+def _decode_logprobs(result: InferResult) -> TokenLogprobs | None:
+    lp = result.as_numpy("logprobs")
+    if lp is None:
+        return None
+    parts = [result.as_numpy(n) for n in ("token_texts", "top_token_ids", "top_logprobs", "top_token_texts")]
+    if any(p is None for p in parts):
+        raise ValueError("logprobs outputs are incomplete")
+    texts, top_ids, top_lps, top_texts = parts
+    tokens = lp.reshape(-1).shape[0]
+    k = top_ids.shape[-1] if top_ids.ndim == 2 else 0
+    top_ids, top_lps, top_texts = (a.reshape(tokens, k) for a in (top_ids, top_lps, top_texts))
+    return TokenLogprobs(
+        logprobs=tuple(float(x) for x in lp.reshape(-1)),
+        token_texts=tuple(_text(t) for t in texts.reshape(-1)),
+        top_token_ids=tuple(tuple(int(t) for t in row) for row in top_ids),
+        top_logprobs=tuple(tuple(float(x) for x in row) for row in top_lps),
+        top_token_texts=tuple(tuple(_text(t) for t in row) for row in top_texts),
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def parse_model_config(name: str, config: Any) -> ModelInfo | None:
+    """ModelInfo from a Triton ModelConfig protobuf; None when it is not an LLM (model_type != "llm")."""
+    params = {key: value.string_value for key, value in config.parameters.items()}
+    if params.get("model_type") != "llm":
+        return None
+    max_len = params.get("max_model_len", "")
+    return ModelInfo(
+        name=name,
+        chat_template=params.get("chat_template") or None,
+        bos_token=params.get("bos_token", ""),
+        eos_token=params.get("eos_token", ""),
+        max_model_len=int(max_len) if max_len.strip().isdigit() else None,
+    )
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+
+class _Stream:
+    """One ModelStreamInfer call: sends one request and keeps the send side open until `end`.
+
+    Half-closing right after the request would be legal gRPC, but keeping it open until we have
+    read the final response leaves no doubt about when the server may end the call.
+    """
+
+    def __init__(self, stub: Any, request: service_pb2.ModelInferRequest) -> None:
+        self._done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
+            yield request
+            await self._done.wait()
+
+        self._call = stub.ModelStreamInfer(requests())
+
+    def __aiter__(self) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        return self._call.__aiter__()
+
+    def end(self, cancel: bool) -> None:
+        self._done.set()
+        if cancel:
+            self._call.cancel()
+
+
+class TritonEngineClient:
+    """EngineClient for a Triton server at `url` (host:port of its gRPC endpoint)."""
+
+    def __init__(self, url: str, *, config_ttl_s: float = 10.0, control_timeout_s: float = 5.0) -> None:
+        self.url = url
+        self._config_ttl_s = config_ttl_s
+        self._timeout = control_timeout_s
+        self._client: grpcclient.InferenceServerClient | None = None
+        self._configs: dict[str, tuple[float, ModelInfo | None]] = {}
+
+    def _grpc(self) -> grpcclient.InferenceServerClient:
+        # Created on first use so the channel belongs to the running event loop.
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self) -> bool:
+        try:
+            if not await self._grpc().is_server_ready(client_timeout=self._timeout):
+                return False
+            return bool(await self.list_models())
+        except (FrontendError, InferenceServerException, grpc.RpcError):
+            return False
+
+    async def list_models(self) -> list[ModelInfo]:
+        try:
+            index = await self._grpc().get_model_repository_index(client_timeout=self._timeout)
+        except InferenceServerException as e:
+            raise self._unavailable(e) from None
+        models: dict[str, ModelInfo] = {}
+        for entry in index.models:
+            if entry.state == "READY" and entry.name not in models:
+                info = await self._llm_info(entry.name)
+                if info is not None:
+                    models[entry.name] = info
+        return sorted(models.values(), key=lambda m: m.name)
+
+    async def model_config(self, model: str) -> ModelInfo:
+        info = await self._llm_info(model)
+        if info is None:
+            raise ModelNotFound(model)
+        return info
+
+    async def _llm_info(self, name: str) -> ModelInfo | None:
+        cached = self._configs.get(name)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self._config_ttl_s:
+            return cached[1]
+        try:
+            response = await self._grpc().get_model_config(name, client_timeout=self._timeout)
+        except InferenceServerException as e:
+            text = (e.message() or "").lower()
+            if "unknown model" in text or "not_found" in (e.status() or "").lower():
+                return None
+            raise self._unavailable(e) from None
+        info = parse_model_config(name, response.config)
+        self._configs[name] = (now, info)
+        return info
+
+    def _unavailable(self, e: Exception) -> EngineUnavailable:
+        message = e.message() if isinstance(e, InferenceServerException) else str(e)
+        return EngineUnavailable(f"Triton at {self.url} is not available: {message}")
+
+    def _open_stream(self, request: service_pb2.ModelInferRequest) -> _Stream:
+        # Tests override this to serve responses without a server.
+        return _Stream(self._grpc()._client_stub, request)
+
+    async def generate(
+        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StepOutput]:
+        stream = self._open_stream(build_request(model, prompt, params, request_id))
+        complete = False
+        try:
+            async for response in stream:
+                if response.error_message:
+                    complete = True  # an error response is the request's last (COMPLETE_FINAL)
+                    raise from_engine_message(response.error_message)
+                out = decode_response(response.infer_response, request_id)
+                # Marked complete before yielding: a consumer that stops after the last output
+                # must not cancel a request that already ended.
+                complete = is_final(response.infer_response)
+                if out is not None:
+                    yield out
+                if complete:
+                    return
+            raise EngineFailure("Triton ended the stream before the request's final response")
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise EngineUnavailable(f"Triton at {self.url} is not available: {e.details()}") from None
+            raise EngineFailure(f"Triton stream failed: {e.code().name}: {e.details()}") from None
+        finally:
+            # Not complete: the HTTP client went away (CancelledError / aclose) or the stream broke;
+            # cancelling the call cancels the Triton request so the engine frees its blocks.
+            stream.end(cancel=not complete)
+

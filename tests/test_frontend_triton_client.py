@@ -1,0 +1,339 @@
+"""TritonEngineClient: request building, response decoding, and the gRPC stream against an
+in-process grpc.aio server that speaks Triton's GRPCInferenceService (real protobufs, real
+tritonclient channel; no tritonserver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from backend.types import FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from openai_frontend.app import create_app
+from openai_frontend.errors import (
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+    from_engine_message,
+)
+from openai_frontend.fake_engine import CHATML_TEMPLATE, scripted_steps
+from openai_frontend.settings import Settings
+from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build_request, decode_response
+
+pytestmark = pytest.mark.asyncio
+
+
+# -- encoding as the model does (model_repository/<model>/1/model.py::_step_tensors) ---------------
+
+
+def encode_step(out: StepOutput, final: bool | None = None) -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(model_name="llm", id=out.request_id)
+
+    def add(name: str, array: np.ndarray) -> None:
+        if array.dtype == np.object_:
+            response.outputs.add(name=name, datatype="BYTES", shape=list(array.shape))
+            flat = np.array([v.encode("utf-8") for v in array.reshape(-1)], dtype=np.object_)
+            response.raw_output_contents.append(serialize_byte_tensor(flat).item() if flat.size else b"")
+        else:
+            dtype = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}[array.dtype]
+            response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
+            response.raw_output_contents.append(array.tobytes())
+
+    def text(values: list[str], shape: tuple[int, ...]) -> np.ndarray:
+        return np.array(values, dtype=np.object_).reshape(shape)
+
+    add("seq_index", np.array([out.seq_index], dtype=np.int32))
+    add("step", np.array([out.step], dtype=np.int32))
+    add("token_ids", np.array(out.token_ids, dtype=np.int32))
+    add("text_delta", text([out.text_delta], (1,)))
+    add("finish_reason", text([out.finish_reason.value if out.finish_reason else ""], (1,)))
+    add("stop_reason", text([json.dumps(out.stop_reason)], (1,)))
+    add("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32))
+    add("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32))
+    lp = out.logprobs
+    if lp is not None:
+        n = len(lp.logprobs)
+        k = len(lp.top_token_ids[0]) if n else 0
+        add("logprobs", np.array(lp.logprobs, dtype=np.float32).reshape(n))
+        add("token_texts", text(list(lp.token_texts), (n,)))
+        add("top_token_ids", np.array(lp.top_token_ids, dtype=np.int32).reshape(n, k))
+        add("top_logprobs", np.array(lp.top_logprobs, dtype=np.float32).reshape(n, k))
+        add("top_token_texts", text([s for row in lp.top_token_texts for s in row], (n, k)))
+    if final if final is not None else out.request_finished:
+        response.parameters["triton_final_response"].bool_param = True
+    return response
+
+
+def _lp(texts: list[str], k: int) -> TokenLogprobs:
+    return TokenLogprobs(tuple(-0.25 * (i + 1) for i in range(len(texts))), tuple(texts),
+                         tuple(tuple(range(10, 10 + k)) for _ in texts),
+                         tuple(tuple(-1.0 - j for j in range(k)) for _ in texts),
+                         tuple(tuple(f"alt{j}\u00e9" for j in range(k)) for _ in texts))
+
+
+@pytest.mark.parametrize("out", [
+    StepOutput("r", 1, 4, (5, 6), "h\u00e9\U0001f600", _lp(["h\u00e9", "\U0001f600"], 2), None, None, 7, 5),
+    StepOutput("r", 0, 0, (9,), "", _lp([""], 0), FinishReason.STOP, 9, 3, 1, True),
+    StepOutput("r", 0, 2, (), "", _lp([], 3), FinishReason.ABORT, None, 3, 2, True),
+    StepOutput("r", 2, 3, (4,), " end", None, FinishReason.STOP, "end", 3, 4),
+    StepOutput("r", 0, 1, (4, 5, 6), "abc", None, FinishReason.LENGTH, None, 3, 16),
+])
+async def test_decode_round_trip(out: StepOutput) -> None:
+    assert decode_response(encode_step(out), "r") == out
+
+
+async def test_decode_empty_final_and_malformed() -> None:
+    assert decode_response(service_pb2.ModelInferResponse(), "r") is None
+    good = encode_step(scripted_steps([["a"]])[0])
+    missing = service_pb2.ModelInferResponse()
+    missing.CopyFrom(good)
+    del missing.outputs[1]  # "step"
+    del missing.raw_output_contents[1]
+    with pytest.raises(EngineFailure, match="step"):
+        decode_response(missing, "r")
+    bad = encode_step(StepOutput("r", 0, 0, (1,), "x", None, None, None, 1, 1))
+    bad.raw_output_contents[4] = serialize_byte_tensor(np.array([b"exploded"], dtype=np.object_)).item()
+    with pytest.raises(EngineFailure, match="malformed"):
+        decode_response(bad, "r")
+
+
+async def test_build_request() -> None:
+    params = SamplingParams(n=2, max_tokens=5, stop=("x",), logprobs=1, logit_bias=((3, 1.0),))
+    request = build_request("llm", "Hello \u00e9", params, "req-1")
+    assert request.model_name == "llm" and request.id == "req-1"
+    assert [(i.name, i.datatype, list(i.shape)) for i in request.inputs] == [
+        ("text_input", "BYTES", [1]), ("sampling_params", "BYTES", [1])]
+    assert deserialize_bytes_tensor(request.raw_input_contents[0])[0].decode() == "Hello \u00e9"
+    sent = deserialize_bytes_tensor(request.raw_input_contents[1])[0].decode()
+    assert SamplingParams.from_json(sent) == params
+    assert request.parameters[EMPTY_FINAL].bool_param
+    ids = build_request("llm", [1, 2, 3], SamplingParams(), "r")
+    assert (ids.inputs[0].name, ids.inputs[0].datatype, list(ids.inputs[0].shape)) == ("input_ids", "INT32", [3])
+    assert np.frombuffer(ids.raw_input_contents[0], dtype=np.int32).tolist() == [1, 2, 3]
+
+
+async def test_engine_error_messages() -> None:
+    e = from_engine_message(json.dumps({"type": "invalid_request_error", "message": "too long", "param": "prompt"}))
+    assert isinstance(e, InvalidRequest) and (e.message, e.param, e.status_code) == ("too long", "prompt", 400)
+    e = from_engine_message("Failed to process the request: " + json.dumps({"type": "engine_error", "message": "oom",
+                                                                            "param": None}))
+    assert isinstance(e, EngineFailure) and e.message == "oom" and e.status_code == 500
+    e = from_engine_message("segfault {not json}")
+    assert isinstance(e, EngineFailure) and e.message == "segfault {not json}"
+
+
+# -- an in-process server speaking Triton's gRPC API ---------------------------------------------
+
+Responder = Callable[[service_pb2.ModelInferRequest], list[service_pb2.ModelStreamInferResponse | float]]
+
+
+def _config(name: str, model_type: str) -> model_config_pb2.ModelConfig:
+    config = model_config_pb2.ModelConfig(name=name, backend="python")
+    config.parameters["model_type"].string_value = model_type
+    config.parameters["chat_template"].string_value = CHATML_TEMPLATE
+    config.parameters["eos_token"].string_value = "<|im_end|>"
+    config.parameters["max_model_len"].string_value = "8192"
+    return config
+
+
+class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self) -> None:
+        self.responder: Responder = lambda request: []
+        self.requests: list[service_pb2.ModelInferRequest] = []
+        self.cancelled = asyncio.Event()
+        self.models = {"llm": ("READY", "llm"), "resnet": ("READY", "image"), "llm-loading": ("LOADING", "llm")}
+
+    async def ServerReady(self, request, context):  # noqa: N802 - gRPC method names
+        return service_pb2.ServerReadyResponse(ready=True)
+
+    async def RepositoryIndex(self, request, context):  # noqa: N802
+        return service_pb2.RepositoryIndexResponse(models=[
+            service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state=state)
+            for name, (state, _) in self.models.items()])
+
+    async def ModelConfig(self, request, context):  # noqa: N802
+        if request.name not in self.models:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{request.name}' is not found")
+        return service_pb2.ModelConfigResponse(config=_config(request.name, self.models[request.name][1]))
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:  # noqa: N802
+        try:  # one request per call, as our client sends; returning ends the call
+            request = await anext(request_iterator.__aiter__())
+            self.requests.append(request)
+            for item in self.responder(request):
+                if isinstance(item, float):
+                    await asyncio.sleep(item)
+                else:
+                    yield item
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def ok(out: StepOutput, final: bool | None = None) -> service_pb2.ModelStreamInferResponse:
+    return service_pb2.ModelStreamInferResponse(infer_response=encode_step(out, final))
+
+
+def fail(kind: str, message: str, param: str | None = None) -> service_pb2.ModelStreamInferResponse:
+    return service_pb2.ModelStreamInferResponse(error_message=json.dumps({"type": kind, "message": message, "param": param}))
+
+
+@pytest.fixture
+async def triton() -> AsyncIterator[tuple[FakeTriton, str]]:
+    server = grpc.aio.server()
+    servicer = FakeTriton()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(grace=None)
+
+
+async def _collect(client: TritonEngineClient, prompt: Any = "hi", params: SamplingParams | None = None) -> list[StepOutput]:
+    return [out async for out in client.generate("llm", prompt, params or SamplingParams(n=2), "req-7")]
+
+
+async def test_generate_streams_until_final(triton) -> None:
+    server, url = triton
+    steps = scripted_steps([["a", "b"], ["c"]])
+    server.responder = lambda request: [ok(s) for s in steps]
+    client = TritonEngineClient(url)
+    try:
+        outs = await _collect(client)
+        assert outs == [s.__class__(**{**_fields(s), "request_id": "req-7"}) for s in steps]
+        assert outs[-1].request_finished
+        request = server.requests[0]
+        assert request.id == "req-7" and request.parameters[EMPTY_FINAL].bool_param
+        # The same, ending with an empty (flags-only) final response.
+        server.responder = lambda request: [*(ok(s, final=False) for s in steps),
+                                            service_pb2.ModelStreamInferResponse(infer_response=_empty_final())]
+        outs = await _collect(client)
+        assert [o.text_delta for o in outs] == ["a", "c", "b"] and not outs[-1].request_finished
+    finally:
+        await client.close()
+
+
+def _fields(s: StepOutput) -> dict[str, Any]:
+    return {name: getattr(s, name) for name in s.__slots__}
+
+
+def _empty_final() -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(model_name="llm")
+    response.parameters["triton_final_response"].bool_param = True
+    return response
+
+
+async def test_generate_error_responses(triton) -> None:
+    server, url = triton
+    client = TritonEngineClient(url)
+    try:
+        server.responder = lambda request: [fail("invalid_request_error", "prompt too long", "prompt")]
+        with pytest.raises(InvalidRequest) as info:
+            await _collect(client)
+        assert info.value.param == "prompt"
+        first = scripted_steps([["a", "b"]])[0]
+        server.responder = lambda request: [ok(first), fail("engine_error", "engine stopped")]
+        seen: list[StepOutput] = []
+        with pytest.raises(EngineFailure, match="engine stopped"):
+            async for out in client.generate("llm", "x", SamplingParams(), "r"):
+                seen.append(out)
+        assert len(seen) == 1
+        server.responder = lambda request: [ok(first)]  # the server ends the call without the final flag
+        with pytest.raises(EngineFailure, match="final response"):
+            await _collect(client)
+    finally:
+        await client.close()
+
+
+async def test_closing_the_stream_cancels_the_triton_request(triton) -> None:
+    server, url = triton
+    steps = scripted_steps([[f"t{i}" for i in range(100)]])
+    server.responder = lambda request: [x for s in steps for x in (ok(s), 0.02)]
+    client = TritonEngineClient(url)
+    try:
+        stream = client.generate("llm", "x", SamplingParams(max_tokens=100), "r")
+        assert (await anext(stream)).step == 0
+        await stream.aclose()
+        await asyncio.wait_for(server.cancelled.wait(), 5)
+    finally:
+        await client.close()
+
+
+async def test_models_ready_and_not_found(triton) -> None:
+    server, url = triton
+    client = TritonEngineClient(url)
+    try:
+        models = await client.list_models()
+        assert [m.name for m in models] == ["llm"]  # READY and model_type == "llm" only
+        info = await client.model_config("llm")
+        assert (info.chat_template, info.eos_token, info.max_model_len) == (CHATML_TEMPLATE, "<|im_end|>", 8192)
+        with pytest.raises(ModelNotFound):
+            await client.model_config("nope")
+        with pytest.raises(ModelNotFound):
+            await client.model_config("resnet")
+        assert await client.ready()
+        server.models = {"resnet": ("READY", "image")}
+        assert not await client.ready()
+    finally:
+        await client.close()
+
+
+async def test_unreachable_triton() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = TritonEngineClient(f"127.0.0.1:{port}", control_timeout_s=2)
+    try:
+        assert not await client.ready()
+        with pytest.raises(EngineUnavailable):
+            await client.list_models()
+        with pytest.raises(EngineUnavailable):
+            await client.model_config("llm")
+        with pytest.raises(EngineUnavailable):
+            await _collect(client)
+    finally:
+        await client.close()
+
+
+async def test_app_over_grpc(triton) -> None:
+    """The whole frontend over the real gRPC client: chat stream with logprobs, and a 404."""
+    server, url = triton
+
+    def respond(request: service_pb2.ModelInferRequest) -> list[Any]:
+        params = SamplingParams.from_json(deserialize_bytes_tensor(request.raw_input_contents[1])[0].decode())
+        steps = scripted_steps([["Hel", "lo"] for _ in range(params.n)], "stop", logprobs=params.logprobs)
+        return [ok(s) for s in steps]
+
+    server.responder = respond
+    app = create_app(TritonEngineClient(url), Settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        r = await http.post("/v1/chat/completions", json={
+            "model": "llm", "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True,
+            "logprobs": True, "top_logprobs": 1, "stream_options": {"include_usage": True}})
+        events = [line[6:] for line in r.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        texts: dict[int, str] = {}
+        for c in chunks[2:-1]:
+            texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + c["choices"][0]["delta"]["content"]
+        assert texts == {0: "Hello", 1: "Hello"}
+        prompt = deserialize_bytes_tensor(server.requests[0].raw_input_contents[0])[0].decode()
+        assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        assert (await http.post("/v1/completions", json={"model": "resnet", "prompt": "x"})).status_code == 404
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["llm"]
+    await asyncio.sleep(0.05)
+    assert not server.cancelled.is_set()  # a finished request is never cancelled
+    await app.state.engine.close()
