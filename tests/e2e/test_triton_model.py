@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.engine_helpers import smollm2_tokenizer
 from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate
 
 PROMPT = "The capital of France is"
@@ -44,10 +45,8 @@ def test_text_and_token_ids_prompts_agree(servers):
     params = {"max_tokens": 6, "temperature": 0}
     by_text = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, params))
     check_invariants(by_text, n=1)
-    prompt_ids = None
     # The same prompt as token ids gives the same tokens (greedy).
-    from backend.tokenizer import Tokenizer  # noqa: PLC0415 - the model's own tokenizer, loaded lazily
-    prompt_ids = Tokenizer.for_source("smollm2").encode(PROMPT)
+    prompt_ids = smollm2_tokenizer().encode(PROMPT)
     by_ids = run(stream_generate(servers.triton.grpc_url, servers.model, prompt_ids, params))
     check_invariants(by_ids, n=1)
     assert [t for r in by_ids.responses for t in r.token_ids] == [t for r in by_text.responses for t in r.token_ids]
