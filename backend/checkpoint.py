@@ -195,8 +195,8 @@ def _hf_name(gguf_name: str) -> str:
 def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's convert_hf_to_gguf `permute`, which interleaves the two rotary halves of
     each head's rows: GGUF row (h, j, half) holds HF row (h, half, j). w: (n_head * D, C)."""
-    out_features, in_features = w.shape
-    return w.reshape(n_head, out_features // n_head // 2, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:

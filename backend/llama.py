@@ -18,9 +18,9 @@ The batch is flattened: forward takes T tokens of several sequences back to back
 `AttentionMetadata` says which rows belong to which sequence and where their K/V live.
 
 Loading: `load_weights` takes HF Llama names (model.layers.0.self_attn.q_proj.weight, ...) and fuses
-q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32 the matrices
-are then pre-packed for oneDNN, which runs the small-batch matmuls of decoding much closer to the
-memory-bandwidth bound than F.linear does (see `Linear`).
+q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32, `Linear`
+runs one-row matmuls (batch-1 decode) at the memory-bandwidth bound and several-row ones through
+pre-packed oneDNN weights (see `Linear`).
 """
 
 from __future__ import annotations
@@ -110,66 +110,79 @@ class LlamaConfig:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b). Weights arrive through `load`. On CPU in fp32 the weight is kept pre-packed
-    for oneDNN (torch.ops.mkldnn, what torch.compile's CPU freezing uses) instead of as a plain
-    tensor; `.to(...)` unpacks it first, so moving or casting the model still works.
+    """y = x @ W.T (+ b), with two CPU fast paths for fp32 (weights arrive through `load`):
 
-    Measured on 2 AVX2 cores: decoding (1 row) reads weights at about 14-17 GB/s instead of
-    10-11 GB/s, and 16-128 rows run at 1.5-2x the GFLOP/s of F.linear.
+    - one row (batch-1 decode, memory-bound): W viewed as (S, N/S, K) for S threads and run as one
+      batched matmul, so each thread streams its own slice of W (plain F.linear / mv reads W at
+      10-12 GB/s on 2 AVX2 cores; this reaches 18-23 GB/s, the machine's read bandwidth);
+    - several rows (batched decode, prefill): W pre-packed for oneDNN (torch.ops.mkldnn, what
+      torch.compile's CPU freezing uses), 1.5-2x the GFLOP/s of F.linear at 16-128 rows.
+
+    So on CPU the weight is held twice (plain + packed). `.to(...)` drops and rebuilds the packed copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = nn.Parameter(
-            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
-        )
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None  # oneDNN layout of the weight, (out, in); weight is None then
+        self.weight = _param(torch.empty(out_features, in_features, device=device, dtype=dtype))  # (N, K)
+        self.bias = _param(torch.empty(out_features, device=device, dtype=dtype)) if bias else None  # (N,)
+        self._packed: torch.Tensor | None = None  # oneDNN layout of weight (CPU fp32 only)
+        self._split: tuple[int, torch.Tensor] | None = None  # (threads, weight viewed as (S, N/S, K))
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self._unpack()
         assert weight.shape == self.weight.shape, f"weight {tuple(weight.shape)} != {tuple(self.weight.shape)}"
         self.weight.copy_(weight)
         if self.bias is not None:
             assert bias is not None and bias.shape == self.bias.shape, "missing or misshapen bias"
             self.bias.copy_(bias)
-        self._pack()
+        self.repack()
+
+    def repack(self) -> None:
+        """Rebuild the oneDNN copy after the weight changed (load, tying, .to())."""
+        w = self.weight
+        packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if packable else None
+        self._split = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)  # (T, N)
+        if x.shape[0] == 1:
+            return self._one_row(x)  # (1, N)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
 
-    def _pack(self) -> None:
-        if self.weight is not None and _can_pack(self.weight):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-            self.weight = None
-
-    def _unpack(self) -> None:
-        if self._packed is not None:
-            self.weight = nn.Parameter(self._packed.to_dense().clone(), requires_grad=False)
-            self._packed = None
+    def _one_row(self, x: torch.Tensor) -> torch.Tensor:
+        N, K = self.out_features, self.in_features
+        S = torch.get_num_threads()
+        if self._split is None or self._split[0] != S:
+            parts = S if N % S == 0 else 1
+            self._split = (S, self.weight.view(parts, N // parts, K))  # (S, N/S, K) view
+        w = self._split[1]
+        # x as a (K, 1) column with strides (1, K) (MKL's fast path; strides (1, 1) run 3x slower).
+        col = x.reshape(1, K).t().expand(w.shape[0], K, 1)  # (S, K, 1)
+        y = torch.bmm(w, col).view(1, N)  # (1, N)
+        return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
-        self._unpack()
+        self._packed, self._split = None, None
         super()._apply(fn, recurse)
-        self._pack()
+        self.repack()
         return self
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, packed={self._packed is not None}"
+        packed = self._packed is not None
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, packed={packed}"
 
 
-def _can_pack(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)  # inference only: weights never need gradients
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype), requires_grad=False)
+        self.weight = _param(torch.empty(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # (T, C)
@@ -182,7 +195,8 @@ def rope_tables(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.T
     with sin's first half negated gives the same products, bit for bit.
     """
     D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))  # (D/2,)
+    exponents = torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D  # (D/2,)
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # (D/2,)
     pos = torch.arange(config.max_position_embeddings, device=device).float()  # (P,)
     freqs = pos[:, None] * inv_freq[None, :]  # (P, D/2)
     cos, sin = freqs.cos(), freqs.sin()  # (P, D/2)
@@ -243,11 +257,11 @@ class Block(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build on the target device and dtype, then `load_weights` (parameters start uninitialized)."""
 
-    def __init__(self, config: LlamaConfig, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: LlamaConfig, device: torch.device | str | None = None, dtype=torch.float32) -> None:
         super().__init__()
         self.config = config
         C, V = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(V, C, device=device, dtype=dtype), requires_grad=False)
+        self.embed_tokens = _param(torch.empty(V, C, device=device, dtype=dtype))
         self.layers = nn.ModuleList(Block(config, device, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(C, config.rms_norm_eps, device, dtype)
         self.lm_head = Linear(C, V, False, device, dtype)  # tied: loaded from embed_tokens
@@ -255,10 +269,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, D) fp32
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, D) fp32
 
-    def _apply(self, fn, recurse: bool = True):  # behind .to(): keep a tied lm_head shared when unpacked
+    def _tie_lm_head(self) -> None:
+        self.lm_head.weight = self.embed_tokens  # shared, as in HF
+        self.lm_head.repack()
+
+    def _apply(self, fn, recurse: bool = True):  # behind .to(): keep a tied lm_head tied
         super()._apply(fn, recurse)
-        if self.config.tie_word_embeddings and self.lm_head._packed is None:
-            self.lm_head.weight = self.embed_tokens
+        if self.config.tie_word_embeddings:
+            self._tie_lm_head()
         return self
 
     @torch.inference_mode()
@@ -277,9 +295,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)  # (T, C)
         return self.norm(x)  # (T, C)
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, C) of the rows to sample from -> logits (S, V) in fp32."""
+        """hidden (S, C) of the rows to sample from -> logits (S, V) in fp32.
+        (Not under inference_mode, so the caller may edit the logits in place wherever it runs.)"""
         return self.lm_head(hidden).float()  # (S, V)
 
     @torch.inference_mode()
@@ -299,10 +317,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.copy_(take("model.norm.weight"))
         if cfg.tie_word_embeddings:
             used.add("lm_head.weight")  # some tied checkpoints still carry a copy
-            if _can_pack(self.embed_tokens):
-                self.lm_head.load(self.embed_tokens)  # a packed copy: +V*C floats for a faster lm_head
-            else:
-                self.lm_head.weight = self.embed_tokens  # shared
+            self._tie_lm_head()
         else:
             self.lm_head.load(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):

@@ -61,6 +61,7 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         add_bos_token: bool = False,
+        eos_token: str | None = None,
     ) -> None:
         self._tok = tokenizer
         added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
@@ -72,7 +73,8 @@ class Tokenizer:
         self.bos_token_id: int | None = bos_token_id
         self.add_bos_token: bool = add_bos_token and bos_token_id is not None
         self.chat_template: str | None = chat_template
-        self.eos_token: str = tokenizer.id_to_token(self.eos_token_ids[0]) or ""
+        # The EOS text chat templates see: the tokenizer config's, else the first EOS id's.
+        self.eos_token: str = eos_token or tokenizer.id_to_token(self.eos_token_ids[0]) or ""
         self.bos_token: str = (tokenizer.id_to_token(bos_token_id) or "") if bos_token_id is not None else ""
         self._token_texts: dict[int, str] = {}
 
@@ -109,16 +111,18 @@ class Tokenizer:
         gen_config = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
 
-        def token_id(value: Any) -> int | None:
+        def token_text(value: Any) -> str | None:
             if isinstance(value, dict):  # AddedToken serialized as {"content": ...}
                 value = value.get("content")
-            return fast.token_to_id(value) if isinstance(value, str) else None
+            return value if isinstance(value, str) else None
 
-        eos_ids = _as_ids(gen_config.get("eos_token_id"))
-        eos_ids += _as_ids(model_config.get("eos_token_id"))
-        eos_from_tokenizer = token_id(tok_config.get("eos_token"))
-        if eos_from_tokenizer is not None:
-            eos_ids.append(eos_from_tokenizer)
+        def token_id(value: Any) -> int | None:
+            text = token_text(value)
+            return fast.token_to_id(text) if text is not None else None
+
+        eos_text = token_text(tok_config.get("eos_token"))
+        eos_ids = [i for i in [token_id(eos_text)] if i is not None]
+        eos_ids += _as_ids(gen_config.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
         bos_id = token_id(tok_config.get("bos_token"))
         if bos_id is None:
             bos_ids = _as_ids(gen_config.get("bos_token_id")) or _as_ids(model_config.get("bos_token_id"))
@@ -133,6 +137,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             chat_template=_chat_template(folder, tok_config),
             add_bos_token=add_bos,
+            eos_token=eos_text,
         )
 
     @classmethod
@@ -169,7 +174,8 @@ class Tokenizer:
 
 
 def can_build_gguf_bpe(meta: dict[str, Any]) -> bool:
-    return meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre", "default") in GGUF_BPE_PRE_TOKENIZERS
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    return meta.get("tokenizer.ggml.model") == "gpt2" and pre in GGUF_BPE_PRE_TOKENIZERS
 
 
 def build_gguf_bpe(meta: dict[str, Any]) -> FastTokenizer:
