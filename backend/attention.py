@@ -16,6 +16,7 @@ the slot of a token is block_id * block_size + offset_in_block.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,8 +38,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32: KV block ids of each sequence, 0-padded
     seq_lens: torch.Tensor  # (B,) int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # (B+1,) int32: sequence b owns token rows [qsl[b], qsl[b+1])
+    # Given by the model runner on CPU: then the decode context gather is planned once per step.
+    block_size: int | None = None
     # Derived once per step (not per layer): the prefill sequences' row offsets, rebased to 0.
     prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)  # (B - num_decode_seqs + 1,)
+    decode_plan: reference.DecodePlan | None = field(init=False, repr=False)  # CPU reference path only
 
     def __post_init__(self) -> None:
         B = self.seq_lens.shape[0]
@@ -51,6 +55,10 @@ class AttentionMetadata:
         assert 0 <= self.num_decode_seqs <= B, "num_decode_seqs must be in [0, B]"
         nd = self.num_decode_seqs
         object.__setattr__(self, "prefill_query_start_loc", self.query_start_loc[nd:] - nd)
+        plan = None
+        if self.block_size is not None and nd > 0 and self.block_tables.device.type == "cpu":
+            plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size)
+        object.__setattr__(self, "decode_plan", plan)
 
     @property
     def num_seqs(self) -> int:
@@ -89,6 +97,8 @@ def paged_attention(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     T, nd, B = q.shape[0], meta.num_decode_seqs, meta.num_seqs
+    if meta.decode_plan is not None:  # the CPU reference takes the gather planned once per step
+        decode = functools.partial(decode, plan=meta.decode_plan)
     if nd == B:  # decode only (the common step): no split, no copy
         return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)  # (T, H, D)
     if nd == 0:  # prefill only

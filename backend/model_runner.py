@@ -72,6 +72,7 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            block_size=bs,
         )
         hidden = self.model(  # (T, hidden)
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

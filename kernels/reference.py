@@ -12,6 +12,8 @@ Softmax is computed in fp32; outputs come back in q's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,25 @@ def _gather_context(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return ctx.view(B, nb * BS, KVH, D)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Where each decode sequence's context sits in the flattened cache; the same for every layer
+    of a step, so it is built once per step (AttentionMetadata does) instead of once per layer."""
+
+    slots: torch.Tensor  # (B, L) int64: cache slot of each context position (0 where invalid)
+    valid: torch.Tensor  # (B, L) bool: position < seq_lens[b]
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """block_tables (B, max_blocks) int32, seq_lens (B,) int32 -> the slots of positions [0, max(seq_lens))."""
+    L = int(seq_lens.max()) if seq_lens.numel() else 0
+    pos = torch.arange(L, device=block_tables.device)  # (L,)
+    valid = pos[None, :] < seq_lens.to(torch.long)[:, None]  # (B, L)
+    blocks = block_tables.to(torch.long).gather(1, (pos // block_size).expand(len(seq_lens), L))  # (B, L)
+    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)  # (B, L)
+    return DecodePlan(slots=slots, valid=valid)
+
+
 def paged_attention_decode_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -59,40 +80,40 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context.
 
     q: (B, H, D); k_cache, v_cache: (NB, BS, KVH, D); block_tables: (B, max_blocks) int32;
     seq_lens: (B,) int32, each >= 1 (the query sits at position seq_lens[b] - 1).
-    Returns (B, H, D) in q's dtype. Vectorized over the batch: the context of every sequence
-    is gathered to the longest one's length and positions >= seq_lens[b] are masked.
+    plan: the step's DecodePlan, if the caller built it once for all layers.
+    Returns (B, H, D) in q's dtype. Vectorized over the batch: every context is gathered to the
+    longest one's length (one index_select per K and V) and positions >= seq_lens[b] are masked.
     """
     B, H, D = q.shape
-    block_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    NB, BS, KVH = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
     if B == 0:
         return q.new_empty(B, H, D)
-    # Only gather the blocks the longest sequence needs (padding entries are never read).
-    max_len = int(seq_lens.max())
-    nb = min(-(-max_len // block_size), block_tables.shape[1])
-    L = nb * block_size
-    table = block_tables[:, :nb].to(device=k_cache.device, dtype=torch.long)  # (B, nb)
-    k = _gather_context(k_cache, table).float()  # (B, L, KVH, D)
-    v = _gather_context(v_cache, table).float()  # (B, L, KVH, D)
-    qg = q.reshape(B, KVH, G, D).float()  # (B, KVH, G, D)
-    # Per KV head, k[:, :, h] is a strided (B, L, D) view that bmm reads in place (no permute copy).
-    scores = torch.stack(
-        [torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) for h in range(KVH)], dim=1
-    )  # (B, KVH, G, L)
-    scores.mul_(scale)
-    pos = torch.arange(L, device=q.device)  # (L,)
-    invalid = pos[None, :] >= seq_lens.to(q.device, torch.long)[:, None]  # (B, L)
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    # Slots past seq_lens hold stale data (maybe NaN from torch.empty): 0 * NaN would leak into
-    # the output, so zero them in the gathered copy of V.
-    v.masked_fill_(invalid[:, :, None, None], 0.0)
-    probs = torch.softmax(scores, dim=-1)  # (B, KVH, G, L) fp32
-    out = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(KVH)], dim=1)  # (B, KVH, G, D)
+    plan = plan or decode_plan(block_tables, seq_lens, BS)
+    L = plan.slots.shape[1]
+    index = plan.slots.reshape(-1).to(k_cache.device)  # (B*L,)
+    k = k_cache.reshape(NB * BS, KVH, D).index_select(0, index).view(B, L, KVH, D)  # (B, L, KVH, D)
+    v = v_cache.reshape(NB * BS, KVH, D).index_select(0, index).view(B, L, KVH, D)  # (B, L, KVH, D)
+    # Slots past seq_lens hold stale data (maybe NaN from torch.empty): NaN survives both the
+    # additive mask and a zero attention weight, so clear them in the gathered copies.
+    invalid = ~plan.valid[:, :, None, None]  # (B, L, 1, 1)
+    k.masked_fill_(invalid, 0.0)
+    v.masked_fill_(invalid, 0.0)
+    qg = q.reshape(B, KVH, G, D).float()  # (B, KVH, G, D): the G query heads of a KV head together
+    out = F.scaled_dot_product_attention(
+        qg,
+        k.transpose(1, 2).float(),  # (B, KVH, L, D)
+        v.transpose(1, 2).float(),  # (B, KVH, L, D)
+        attn_mask=plan.valid[:, None, None, :],  # (B, 1, 1, L)
+        scale=scale,
+    )  # (B, KVH, G, D)
     return out.reshape(B, H, D).to(q.dtype)  # (B, H, D)
 
 
