@@ -140,7 +140,7 @@ def main() -> None:
     hf_b1 = hf_mixed = float("nan")
     hf = None
     if not args.skip_hf:
-        hf = build_hf_model(checkpoint)
+        hf = build_hf_model(checkpoint.config, checkpoint.state_dict)
         run_hf(hf, [prompt], [8], 1)  # warm-up
         n, secs = run_hf(hf, [prompt], [args.batch1_tokens], 1)
         hf_b1 = n / secs

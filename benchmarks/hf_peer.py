@@ -1,31 +1,27 @@
-"""The peer: Hugging Face transformers' LlamaForCausalLM holding exactly our checkpoint's weights."""
+"""The peer: Hugging Face transformers' LlamaForCausalLM (or Qwen2) holding exactly our weights.
+
+Used by the equivalence tests (eager attention, for exact comparison) and by the benchmarks
+(transformers' default attention, as users run it).
+"""
 
 from __future__ import annotations
 
 import torch
 import transformers
 
-from backend.checkpoint import Checkpoint
+from backend.llama import LlamaConfig
 
 
-def build_hf_model(checkpoint: Checkpoint) -> transformers.LlamaForCausalLM:
-    cfg = checkpoint.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        torch_dtype=torch.float32,
-    )
-    model = transformers.LlamaForCausalLM(hf_config)
-    missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
-    assert not unexpected, unexpected
-    assert all("lm_head" in m for m in missing), missing  # tied: the head is the embedding
+def build_hf_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+                   attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    hf_config._attn_implementation = attn_implementation
+    cls = transformers.Qwen2ForCausalLM if config.qkv_bias else transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)  # its inv_freq was on meta
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    assert not any(p.is_meta for p in model.parameters())
     return model.eval()

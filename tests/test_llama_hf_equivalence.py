@@ -20,6 +20,7 @@ import transformers
 from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.checkpoint import load_checkpoint
 from backend.llama import LlamaConfig, LlamaForCausalLM
+from benchmarks.hf_peer import build_hf_model
 
 NEW_TOKENS = 32
 
@@ -100,17 +101,7 @@ def run_ours(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int)
 
 
 def hf_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    hf_config._attn_implementation = "eager"
-    cls = transformers.Qwen2ForCausalLM if config.qkv_bias else transformers.LlamaForCausalLM
-    with torch.device("meta"):
-        model = cls(hf_config)
-    model.load_state_dict(state_dict, strict=False, assign=True)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)  # its inv_freq was on meta
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    assert not any(p.is_meta for p in model.parameters())
-    return model.eval()
+    return build_hf_model(config, state_dict, attn_implementation="eager")
 
 
 @torch.inference_mode()
