@@ -1,0 +1,429 @@
+"""`make bench-serve`: OpenAI-level streaming load on the frontend, and the same load on the engine in-process.
+
+Workload (the same both ways): seeded prompts of exactly --prompt-tokens tokens (single-token words),
+each one different (so prefix caching cannot make later requests look instant) and, by default,
+salted per run in their first words (so a `make serve` that stays up does not find the last run's
+prompts in its prefix cache), max_tokens fixed with ignore_eos, default sampling (temperature 1),
+at concurrency 1, 8 and 32 (a finished request's slot is refilled at once).
+
+(a) serving: streaming /v1/completions (or /v1/chat/completions with --endpoint chat) through
+    httpx.AsyncClient against the frontend, i.e. HTTP + SSE, the frontend, tritonclient gRPC
+    streaming, tritonserver and the decoupled Python backend. Without --url it starts its own
+    tritonserver and frontend on free loopback ports (scripts/servers.py) and stops them before (b).
+(b) in-process: backend.engine.LLMEngine(EngineConfig()) driven by `step()` in this process (the
+    engine settings of model_repository's config.pbtxt are EngineConfig's defaults).
+
+Per request: TTFT = first token - send; ITL = (last token - first token) / (tokens - 1) (the
+definitions genai-perf uses); output tokens/s = all output tokens / (last token of the run - first
+send). Serving counts output tokens from the usage chunk (stream_options.include_usage) and
+cross-checks them with the number of streamed chunks (one per token) and, like genai-perf does, with
+re-tokenizing the streamed text. The ratio serving / in-process of output tokens/s is the cost of
+the HTTP + gRPC + Triton path (target: >= 0.9 at concurrency 8).
+
+Servers, engine and client all share the machine. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Common English words; those that are one token with a leading space make the prompts, so each
+# prompt is exactly --prompt-tokens tokens.
+WORDS = """the of and to in is was for on that with as by at from his her he she it they we you an be
+this which or had are but not have were one all their has been there who would will more when if no
+out so said what up its about into than them can only other new some could time these two may then do
+first any like now my over such our man me even most made after also did many before must through
+back years where much your way well down should because each just those people how too little state
+good very make world still own see men work long here get both between life being under never day
+same another know while last might us great old year off come since against go came right used take
+three house water river stone light quick brown fox jumps lazy dog market signal garden orbit paper
+window silver echo forest number winter copper ladder candle harbor mountain village teacher doctor
+engine kitchen bridge island music letter summer station journey morning evening garden story season
+field circle castle planet ocean valley desert thunder shadow mirror pocket bottle blanket""".split()
+
+
+SALT_WORDS = 4  # about 2e9 combinations: another run's prompts never share this first block
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    first: float | None = None  # first token (first chunk carrying a choice)
+    last: float | None = None  # last token
+    tokens: int = 0  # from usage (serving) or the engine's outputs (in-process)
+    chunks: int = 0  # chunks carrying a choice (serving: one per engine step = one per token)
+    text_chunks: int = 0  # chunks whose text is not empty (what genai-perf keeps)
+    text: str = ""
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    errors: int
+    output_tokens: int
+    seconds: float
+    output_tok_s: float
+    request_s: float
+    ttft_ms_p50: float
+    ttft_ms_p95: float
+    itl_ms_p50: float
+    itl_ms_p95: float
+    latency_ms_p50: float
+    extra: dict = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(concurrency: int, records: list[RequestRecord]) -> LevelResult:
+    ok = [r for r in records if r.error is None and r.first is not None]
+    start = min(r.sent for r in records)
+    end = max((r.last or r.sent) for r in records)
+    seconds = end - start
+    tokens = sum(r.tokens for r in ok)
+    ttft = [(r.first - r.sent) * 1e3 for r in ok]
+    itl = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in ok if r.tokens > 1]
+    latency = [(r.last - r.sent) * 1e3 for r in ok]
+    return LevelResult(concurrency, len(records), len(records) - len(ok), tokens, round(seconds, 3),
+                       tokens / seconds, len(ok) / seconds, percentile(ttft, 50), percentile(ttft, 95),
+                       percentile(itl, 50), percentile(itl, 95), percentile(latency, 50))
+
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+def single_token_words(tokenizer) -> list[str]:
+    words = sorted({w for w in WORDS if len(tokenizer.encode(" " + w)) == 1})
+    if len(words) < 50:
+        raise RuntimeError(f"only {len(words)} single-token words for this tokenizer")
+    return words
+
+
+def make_prompts(tokenizer, count: int, num_tokens: int, seed: int, salt: int | None = None) -> list[str]:
+    """`count` different prompt texts of exactly `num_tokens` tokens each, seeded.
+
+    With `salt`, the first SALT_WORDS words come from it instead: a server that stays up between
+    runs (`make serve`) then finds none of an earlier run's prompts in its prefix cache (a cached
+    prompt would show a TTFT without prefill); the other words stay fixed by `seed`."""
+    words = single_token_words(tokenizer)
+    rng = random.Random(seed)
+    salt_rng = random.Random(salt)
+    prompts = []
+    for _ in range(count):
+        chosen = [rng.choice(words) for _ in range(num_tokens)]
+        if salt is not None:
+            chosen[:SALT_WORDS] = [salt_rng.choice(words) for _ in range(min(SALT_WORDS, num_tokens))]
+        text = "".join(" " + w for w in chosen)
+        n = len(tokenizer.encode(text))
+        if n != num_tokens:  # byte-level BPE splits on spaces, so this does not happen; say so if it does
+            raise RuntimeError(f"prompt is {n} tokens, not {num_tokens}")
+        prompts.append(text)
+    return prompts
+
+
+def chat_prompt_text(tokenizer, content: str) -> str:
+    """What the frontend sends to Triton for one user message (the model's chat template)."""
+    import jinja2
+
+    env = jinja2.Environment(autoescape=False, trim_blocks=False, keep_trailing_newline=True)
+    return env.from_string(tokenizer.chat_template).render(
+        messages=[{"role": "user", "content": content}], add_generation_prompt=True,
+        bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+
+
+def default_requests(concurrency: int) -> int:
+    return max(4, 2 * concurrency)
+
+
+# ------------------------------------------------------------------------------------------ serving
+
+
+async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: bool) -> None:
+    usage = None
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                rec.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = str(chunk["error"])
+                    return
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                delta = choices[0].get("delta", {}) if chat else choices[0]
+                if chat and "role" in delta:
+                    continue  # the role chunk carries no token
+                now = time.perf_counter()
+                if rec.first is None:
+                    rec.first = now
+                rec.last = now
+                rec.chunks += 1
+                text = delta.get("content" if chat else "text") or ""
+                if text:
+                    rec.text_chunks += 1
+                    rec.text += text
+    except Exception as e:  # noqa: BLE001 (a failed request is counted, not fatal)
+        rec.error = f"{type(e).__name__}: {e}"
+        return
+    if usage is None:
+        rec.error = "no usage chunk"
+    else:
+        rec.tokens = int(usage["completion_tokens"])
+        rec.prompt_tokens = int(usage["prompt_tokens"])
+
+
+async def run_serving_level(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+                            chat: bool) -> list[RequestRecord]:
+    import httpx
+
+    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
+    records: list[RequestRecord] = []
+    queue = list(range(len(prompts)))
+
+    def payload(i: int) -> dict:
+        body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompts[i]}]
+        else:
+            body["prompt"] = prompts[i]
+        return body
+
+    async def worker(client) -> None:
+        while queue:
+            i = queue.pop(0)
+            rec = RequestRecord(sent=time.perf_counter())
+            records.append(rec)
+            await stream_one(client, url, payload(i), rec, chat)
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return records
+
+
+def serving_checks(records: list[RequestRecord], tokenizer, max_tokens: int, prompt_tokens: set[int]) -> dict:
+    """Token counts three ways: usage, chunks, re-tokenized text (genai-perf's way)."""
+    ok = [r for r in records if r.error is None]
+    retok = [len(tokenizer.encode(r.text)) for r in ok]
+    return {
+        "usage_tokens_mean": sum(r.tokens for r in ok) / max(len(ok), 1),
+        "usage_equals_max_tokens": all(r.tokens == max_tokens for r in ok),
+        "chunks_equal_usage": all(r.chunks == r.tokens for r in ok),
+        "nonempty_text_chunks_mean": sum(r.text_chunks for r in ok) / max(len(ok), 1),
+        "retokenized_tokens_mean": sum(retok) / max(len(retok), 1),
+        "prompt_tokens_as_sent": all(r.prompt_tokens in prompt_tokens for r in ok),
+        "errors": [r.error for r in records if r.error is not None][:3],
+    }
+
+
+def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_prompt_tokens: set[int]) -> dict[int, LevelResult]:
+    servers = []
+    base_url = args.url
+    if base_url is None:
+        from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
+
+        logs = REPO_ROOT / "artifacts" / "bench-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        print("starting tritonserver and the frontend on free ports ...", flush=True)
+        triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+        triton.start(log_path=logs / "tritonserver.log")
+        servers.append(triton)
+        try:
+            frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
+        except BaseException:
+            triton.stop()
+            raise
+        servers.insert(0, frontend)
+        base_url = frontend.url
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    chat = args.endpoint == "chat"
+    results: dict[int, LevelResult] = {}
+    try:
+        warm = make_prompts(tokenizer, 2, 16, seed=args.seed + 1000)
+        asyncio.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))  # warm-up, not measured
+        for c, prompts in workloads.items():
+            records = asyncio.run(run_serving_level(base_url, args.model, prompts, args.max_tokens, c, chat))
+            res = summarize(c, records)
+            res.extra = serving_checks(records, tokenizer, args.max_tokens, expected_prompt_tokens)
+            results[c] = res
+            print_level("serving", res)
+    finally:
+        for s in servers:
+            s.stop()
+    return results
+
+
+# ------------------------------------------------------------------------------------------ in-process
+
+
+def run_inprocess_level(engine, prompt_ids: list[list[int]], max_tokens: int, concurrency: int) -> list[RequestRecord]:
+    from backend.types import SamplingParams, StepOutput
+
+    pending = list(range(len(prompt_ids)))
+    records: dict[str, RequestRecord] = {}
+    active = 0
+
+    def submit(i: int) -> None:
+        rid = f"bench-{i}-{time.monotonic_ns()}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        records[rid] = RequestRecord(sent=time.perf_counter(), prompt_tokens=len(prompt_ids[i]))
+        engine.add_request(engine.make_request(rid, prompt_ids[i], params))
+
+    while pending and active < concurrency:
+        submit(pending.pop(0))
+        active += 1
+    while engine.has_work():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if not isinstance(out, StepOutput):
+                records[out.request_id].error = str(out)
+                active -= 1
+                continue
+            rec = records[out.request_id]
+            if out.token_ids:
+                rec.first = rec.first or now
+                rec.last = now
+                rec.tokens += len(out.token_ids)
+                rec.chunks += 1
+            if out.request_finished:
+                active -= 1
+                if pending:
+                    submit(pending.pop(0))
+                    active += 1
+    return list(records.values())
+
+
+def run_inprocess(args, checkpoint, workloads: dict[int, list[list[int]]]) -> dict[int, LevelResult]:
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(), checkpoint=checkpoint)
+    warm = [checkpoint.tokenizer.encode(p) for p in make_prompts(checkpoint.tokenizer, 2, 16, seed=args.seed + 1000)]
+    run_inprocess_level(engine, warm, 4, 2)  # warm-up, not measured
+    results = {}
+    for c, prompt_ids in workloads.items():
+        results[c] = summarize(c, run_inprocess_level(engine, prompt_ids, args.max_tokens, c))
+        print_level("in-process", results[c])
+    return results
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def print_level(kind: str, r: LevelResult) -> None:
+    print(f"{kind:>10} c={r.concurrency:<3} {r.requests} requests ({r.errors} failed): {r.output_tokens} tokens in "
+          f"{r.seconds:.1f} s = {r.output_tok_s:.1f} tok/s; TTFT p50 {r.ttft_ms_p50:.0f} p95 {r.ttft_ms_p95:.0f} ms; "
+          f"ITL p50 {r.itl_ms_p50:.1f} p95 {r.itl_ms_p95:.1f} ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running frontend (http://127.0.0.1:9000); default: start our own servers")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, help="requests per concurrency level (default max(4, 2 x concurrency))")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt words")
+    parser.add_argument("--salt", type=int, help="seed of each prompt's first %d words; default: random per run "
+                        "(so a long-running server's prefix cache holds none of them); -1: no salt" % SALT_WORDS)
+    parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--skip-inprocess", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from backend.checkpoint import load_checkpoint
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.endpoint}, prompts "
+          f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens} (ignore_eos)", flush=True)
+    checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
+    tok = checkpoint.tokenizer
+    # Different prompts for every request of every level, the same ones for both paths.
+    salt = args.salt if args.salt is not None else random.SystemRandom().randrange(2**31)
+    salt = None if salt < 0 else salt
+    print(f"prompt seed {args.seed}, salt {salt} (--salt {salt if salt is not None else -1} repeats these prompts)",
+          flush=True)
+    texts: dict[int, list[str]] = {}
+    for k, c in enumerate(args.concurrency):
+        texts[c] = make_prompts(tok, args.requests or default_requests(c), args.prompt_tokens, args.seed + k,
+                                None if salt is None else salt + k)
+    if args.endpoint == "chat":
+        engine_texts = {c: [chat_prompt_text(tok, t) for t in ts] for c, ts in texts.items()}
+    else:
+        engine_texts = texts
+    engine_ids = {c: [tok.encode(t) for t in ts] for c, ts in engine_texts.items()}
+    expected_prompt_tokens = {len(ids) for ids in (i for v in engine_ids.values() for i in v)}
+
+    serving = {} if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens)
+    inproc = {} if args.skip_inprocess else run_inprocess(args, checkpoint, engine_ids)
+
+    ratios = {c: serving[c].output_tok_s / inproc[c].output_tok_s for c in args.concurrency
+              if c in serving and c in inproc}
+    if ratios:
+        print("\n| concurrency | serving tok/s | in-process tok/s | ratio | serving TTFT p50 ms | in-process TTFT p50 ms "
+              "| serving ITL p50 ms | in-process ITL p50 ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for c, ratio in ratios.items():
+            s, i = serving[c], inproc[c]
+            print(f"| {c} | {s.output_tok_s:.1f} | {i.output_tok_s:.1f} | {ratio:.2f} | {s.ttft_ms_p50:.0f} | "
+                  f"{i.ttft_ms_p50:.0f} | {s.itl_ms_p50:.1f} | {i.itl_ms_p50:.1f} |")
+    checks = {c: r.extra for c, r in serving.items()}
+    for c, ch in checks.items():
+        if not (ch["usage_equals_max_tokens"] and ch["chunks_equal_usage"]) or ch["errors"]:
+            print(f"WARNING c={c}: token counts disagree or requests failed: {ch}", flush=True)
+
+    def level_dict(r: LevelResult) -> dict:
+        d = asdict(r)
+        d.pop("extra")
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
+
+    print(json.dumps({
+        "endpoint": args.endpoint,
+        "seed": args.seed,
+        "salt": salt,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "serving": {str(c): level_dict(r) for c, r in serving.items()},
+        "inprocess": {str(c): level_dict(r) for c, r in inproc.items()},
+        "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
+        "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
+        "token_checks": {str(c): {k: (round(v, 2) if isinstance(v, float) else v) for k, v in ch.items()}
+                         for c, ch in checks.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
