@@ -103,14 +103,21 @@ class _Process:
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        # Children (tritonserver's Python-backend stubs) share the process group we started; one
+        # left behind by a server that died hard would keep its engine and memory.
         try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 class TritonServer(_Process):
