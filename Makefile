@@ -8,11 +8,13 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: venv serve test test-fast bench-engine bench-serve perf genai-perf clean
 
-# The venv is (re)built only when the pinned requirements change.
+# The venv is (re)built only when the pinned requirements change. The machine's pip config
+# (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
+PIP := PIP_CONFIG_FILE=/dev/null $(PY) -m pip install -q --disable-pip-version-check
 $(STAMP): requirements.txt requirements-nodeps.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps -r requirements-nodeps.txt
 	$(PY) -c "from scripts.servers import TritonInstall; TritonInstall.find().ensure_stub()"
 	@touch $(STAMP)
 

@@ -40,6 +40,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (B+1,) int32: sequence b owns token rows [qsl[b], qsl[b+1])
     # Given by the model runner on CPU: then the decode context gather is planned once per step.
     block_size: int | None = None
+    zero_slot: int | None = None  # a cache slot never written (the runner's null block), if any
     # Derived once per step (not per layer): the prefill sequences' row offsets, rebased to 0.
     prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)  # (B - num_decode_seqs + 1,)
     decode_plan: reference.DecodePlan | None = field(init=False, repr=False)  # CPU reference path only
@@ -57,7 +58,7 @@ class AttentionMetadata:
         object.__setattr__(self, "prefill_query_start_loc", self.query_start_loc[nd:] - nd)
         plan = None
         if self.block_size is not None and nd > 0 and self.block_tables.device.type == "cpu":
-            plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size)
+            plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot)
         object.__setattr__(self, "decode_plan", plan)
 
     @property

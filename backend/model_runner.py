@@ -30,9 +30,12 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        # (layers) x [(num_blocks, block_size, kv_heads, head_dim) K, same V]
-        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+        # (layers) x [(num_blocks + 1, block_size, kv_heads, head_dim) K, same V]. The extra last
+        # block is the null block: the block manager never hands it out, so it stays zero and
+        # padded context positions can read it instead of being masked.
+        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, dtype, device)
+        self.zero_slot = num_blocks * block_size
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
@@ -73,6 +76,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             block_size=bs,
+            zero_slot=self.zero_slot,
         )
         hidden = self.model(  # (T, hidden)
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

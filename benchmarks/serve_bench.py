@@ -36,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.perf_tools import percentile  # noqa: E402
+
 # Common English words; those that are one token with a leading space make the prompts, so each
 # prompt is exactly --prompt-tokens tokens.
 WORDS = """the of and to in is was for on that with as by at from his her he she it they we you an be
@@ -82,16 +84,6 @@ class LevelResult:
     itl_ms_p95: float
     latency_ms_p50: float
     extra: dict = field(default_factory=dict)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def summarize(concurrency: int, records: list[RequestRecord]) -> LevelResult:

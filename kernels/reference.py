@@ -59,18 +59,24 @@ class DecodePlan:
     """Where each decode sequence's context sits in the flattened cache; the same for every layer
     of a step, so it is built once per step (AttentionMetadata does) instead of once per layer."""
 
-    slots: torch.Tensor  # (B, L) int64: cache slot of each context position (0 where invalid)
+    slots: torch.Tensor  # (B, L) int64: cache slot of each context position (zero_slot where invalid)
     valid: torch.Tensor  # (B, L) bool: position < seq_lens[b]
+    reads_zeros: bool  # invalid positions read a slot known to hold zeros: no masking of K/V needed
 
 
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """block_tables (B, max_blocks) int32, seq_lens (B,) int32 -> the slots of positions [0, max(seq_lens))."""
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                zero_slot: int | None = None) -> DecodePlan:
+    """block_tables (B, max_blocks) int32, seq_lens (B,) int32 -> the slots of positions [0, max(seq_lens)).
+
+    zero_slot: a cache slot that is never written (the engine keeps a null block for this); invalid
+    positions then read it instead of stale data, which saves masking the gathered K/V.
+    """
     L = int(seq_lens.max()) if seq_lens.numel() else 0
     pos = torch.arange(L, device=block_tables.device)  # (L,)
     valid = pos[None, :] < seq_lens.to(torch.long)[:, None]  # (B, L)
     blocks = block_tables.to(torch.long).gather(1, (pos // block_size).expand(len(seq_lens), L))  # (B, L)
-    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)  # (B, L)
-    return DecodePlan(slots=slots, valid=valid)
+    slots = torch.where(valid, blocks * block_size + pos % block_size, zero_slot or 0)  # (B, L)
+    return DecodePlan(slots=slots, valid=valid, reads_zeros=zero_slot is not None)
 
 
 def paged_attention_decode_ref(
@@ -103,9 +109,10 @@ def paged_attention_decode_ref(
     v = v_cache.reshape(NB * BS, KVH, D).index_select(0, index).view(B, L, KVH, D)  # (B, L, KVH, D)
     # Slots past seq_lens hold stale data (maybe NaN from torch.empty): NaN survives both the
     # additive mask and a zero attention weight, so clear them in the gathered copies.
-    invalid = ~plan.valid[:, :, None, None]  # (B, L, 1, 1)
-    k.masked_fill_(invalid, 0.0)
-    v.masked_fill_(invalid, 0.0)
+    if not plan.reads_zeros:
+        invalid = ~plan.valid[:, :, None, None]  # (B, L, 1, 1)
+        k.masked_fill_(invalid, 0.0)
+        v.masked_fill_(invalid, 0.0)
     qg = q.reshape(B, KVH, G, D).float()  # (B, KVH, G, D): the G query heads of a KV head together
     out = F.scaled_dot_product_attention(
         qg,

@@ -310,3 +310,27 @@ def test_wrappers_reject_bad_inputs():
     kv = torch.randn(1, 2, 64, device=DEVICE)
     with pytest.raises(AssertionError, match="int64"):
         store_kv(kv, kv, case.k_cache, case.v_cache, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+def test_decode_reference_with_a_zero_slot_plan_matches_masking():
+    """The engine's CPU path: padded positions read a never-written null block instead of being masked."""
+    from kernels.reference import decode_plan
+
+    gen = torch.Generator().manual_seed(3)
+    nb, bs, kvh, d, heads = 10, 16, 3, 64, 9
+    k_cache = torch.full((nb + 1, bs, kvh, d), float("nan"))
+    v_cache = torch.full((nb + 1, bs, kvh, d), float("nan"))
+    k_cache[nb] = 0.0
+    v_cache[nb] = 0.0
+    seq_lens = torch.tensor([37, 5, 20], dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 1], [0, 0, 0], [9, 2, 0]], dtype=torch.int32)
+    for b, n in enumerate(seq_lens.tolist()):
+        for p in range(n):
+            k_cache[tables[b, p // bs], p % bs] = torch.randn(kvh, d, generator=gen)
+            v_cache[tables[b, p // bs], p % bs] = torch.randn(kvh, d, generator=gen)
+    q = torch.randn(3, heads, d, generator=gen)
+    masked = paged_attention_decode_ref(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+    plan = decode_plan(tables, seq_lens, bs, zero_slot=nb * bs)
+    planned = paged_attention_decode_ref(q, k_cache, v_cache, tables, seq_lens, d**-0.5, plan=plan)
+    assert not torch.isnan(masked).any()
+    torch.testing.assert_close(planned, masked, atol=1e-6, rtol=1e-5)
