@@ -403,6 +403,7 @@ def run_perf(args: argparse.Namespace) -> dict:
     for c in args.concurrency:
         n = args.requests or default_requests(c)
         export, csv = out / f"pa_export_c{c}.json", out / f"pa_c{c}.csv"
+        export.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite its export file
         cmd = perf_analyzer_command(args.model, url, c, n, Path(args.input_data), export, csv)
         print(f"\n$ {' '.join(cmd)}", flush=True)
         if subprocess.run(cmd, env=env, check=False).returncode != 0:
