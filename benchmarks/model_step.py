@@ -1,5 +1,5 @@
 """Decode-step time of backend.llama on SmolLM2 (forward + logits), batch B, context ~ctx tokens.
-usage: PYTHONPATH=. .venv/bin/python /tmp/model_step_bench.py THREADS B [--no-gemv]"""
+usage: PYTHONPATH=. .venv/bin/python benchmarks/model_step.py THREADS B [--no-gemv]"""
 import os, sys, time, torch
 nt, B = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(nt)
