@@ -36,7 +36,7 @@ _GAUGES = {
     "kv_blocks_used": "KV cache blocks in use",
     "kv_blocks_free": "KV cache blocks free (including cached ones)",
     "kv_blocks_cached": "Free KV cache blocks that still hold a reusable prefix",
-    "prefix_cache_hit_ratio": "Prefix cache hits over queries (blocks), since start",
+    "prefix_cache_hit_ratio": "Prompt tokens found in the prefix cache over tokens looked up, since start",
 }
 _COUNTERS = {
     "prompt_tokens": "Prompt tokens received",
