@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.triton_stream import metric_value
+from tests.e2e.triton_stream import metric_value, wait_until_aborted_and_freed
 
 PROMPT = "The capital of France is"
 
@@ -151,15 +150,13 @@ def test_chat_rejects_tools(servers):
 
 
 def test_client_disconnect_cancels_the_request(servers):
+    aborted_before = metric_value(servers.triton.metrics_url, "llm_aborted_requests_total")
     body = {"model": servers.model, "prompt": "Count:", "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{servers.base_url}/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") > 0:
-        time.sleep(0.2)
-    assert metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") == 0
+    wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
 
 
 @pytest.mark.slow

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from tests.engine_helpers import smollm2_tokenizer
-from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate
+from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate, wait_until_aborted_and_freed
 
 PROMPT = "The capital of France is"
 
@@ -70,17 +69,11 @@ def test_sixteen_concurrent_requests_of_mixed_n(servers):
 
 
 def test_cancel_mid_stream_frees_kv_blocks(servers):
+    aborted_before = metric_value(servers.triton.metrics_url, "llm_aborted_requests_total")
     params = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
     result = run(stream_generate(servers.triton.grpc_url, servers.model, "Count to a thousand:", params, cancel_after=3))
     assert len(result.responses) == 3 and not result.responses[-1].finish_reason
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if (metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") == 0
-                and metric_value(servers.triton.metrics_url, "llm_num_running") == 0):
-            break
-        time.sleep(0.2)
-    assert metric_value(servers.triton.metrics_url, "llm_kv_blocks_used") == 0
-    assert metric_value(servers.triton.metrics_url, "llm_aborted_requests_total") >= 1
+    wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -115,6 +116,26 @@ def metric_value(metrics_url: str, name: str) -> float:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def wait_until_aborted_and_freed(metrics_url: str, aborted_before: float, timeout: float = 20.0) -> None:
+    """Waits until the engine has counted one more abort and holds no KV block and no running sequence.
+
+    The abort counter is what makes the reading fresh: the gauges alone could still be the idle
+    values published before the request ran.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric_value(metrics_url, "llm_aborted_requests_total") > aborted_before
+                and metric_value(metrics_url, "llm_kv_blocks_used") == 0
+                and metric_value(metrics_url, "llm_num_running") == 0):
+            return
+        time.sleep(0.2)
+    raise AssertionError(
+        f"not aborted and freed after {timeout:.0f}s: aborted_total="
+        f"{metric_value(metrics_url, 'llm_aborted_requests_total')} (before {aborted_before}), "
+        f"kv_blocks_used={metric_value(metrics_url, 'llm_kv_blocks_used')}, "
+        f"num_running={metric_value(metrics_url, 'llm_num_running')}")
 
 
 def check_invariants(result: StreamResult, n: int, max_tokens: int | None = None, logprobs: int | None = None) -> None:
