@@ -85,13 +85,13 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
         """Tokenizes and validates; raises InvalidRequestError for anything the engine cannot run."""
+        vocab = self.runtime.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
             token_ids = tuple(self.tokenizer.encode(prompt))
         else:
             token_ids = tuple(int(t) for t in prompt)
-            vocab = self.runtime.vocab_size
             if any(t < 0 or t >= vocab for t in token_ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if not token_ids:
@@ -101,7 +101,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
                 "and at least one must be left to generate", "prompt")
-        vocab = self.runtime.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", "logit_bias")
         if params.n > self.config.max_num_seqs:
@@ -125,7 +124,7 @@ class LLMEngine:
             return
         seqs = self.scheduler.abort_request(request_id)
         self._aborted += 1
-        self._pending.extend(self.output_processor.abort_request(request_id, seqs))
+        self._pending.extend(self.output_processor.abort_sequences(seqs))
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()

@@ -66,17 +66,24 @@ class EngineLoop(Generic[Sink]):
 
     def _engine_main(self) -> None:
         last_stats = 0.0
+        stats_current = False  # published since the engine last did any work
         while not self._stopping.is_set():
             try:
                 self._admit(block=not self.engine.has_work())
                 self._abort_cancelled()
-                if self.engine.has_work():
+                busy = self.engine.has_work()
+                if busy:
                     for output in self.engine.step():
                         self._route(output)
+                    stats_current = False
                 now = time.monotonic()
-                if now - last_stats >= STATS_INTERVAL_S or not self.engine.has_work():
+                # Every interval while busy, and once as soon as the engine is idle (so freed KV
+                # blocks show at once), but not on every idle wake-up.
+                idle_now = not self.engine.has_work()
+                if (busy and now - last_stats >= STATS_INTERVAL_S) or (idle_now and not stats_current):
                     self._on_stats(self.engine.stats())
                     last_stats = now
+                    stats_current = idle_now
             except Exception:  # noqa: BLE001 - the loop must outlive any single failure
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)

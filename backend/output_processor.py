@@ -53,7 +53,7 @@ class OutputProcessor:
         """One message per (sequence, new token), in the order the tokens were sampled."""
         return [self._on_token(seq, tok) for seq, tok in sampled]
 
-    def abort_request(self, request_id: str, sequences: list[Sequence]) -> list[StepOutput]:
+    def abort_sequences(self, sequences: list[Sequence]) -> list[StepOutput]:
         """A last, token-less message for each sequence the abort ended."""
         return [self._finish_message(seq, (), "", None, FinishReason.ABORT, None) for seq in sequences]
 
@@ -77,14 +77,14 @@ class OutputProcessor:
             finish = FinishReason.LENGTH
 
         text = token_text + (seq.detokenizer.flush() if finish is not None else "")
-        if seq.stop_matcher is not None and may_stop:
-            text, matched = seq.stop_matcher.feed(text)
+        if seq.stop_matcher is not None:
+            matched = None
+            if may_stop:  # before min_tokens the text bypasses the matcher
+                text, matched = seq.stop_matcher.feed(text)
             if matched is not None:
                 finish, stop_reason = FinishReason.STOP, matched
             elif finish is not None:
                 text += seq.stop_matcher.flush()
-        elif seq.stop_matcher is not None and finish is not None:
-            text += seq.stop_matcher.flush()
 
         logprobs = None
         if params.logprobs is not None:
