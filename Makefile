@@ -30,7 +30,7 @@ test-fast: venv
 	$(PY) -m pytest -m "not slow and not e2e"
 
 bench-engine: venv
-	$(PY) benchmarks/engine_bench.py
+	$(PY) benchmarks/engine_bench.py --compile
 
 bench-serve: venv
 	$(PY) benchmarks/serve_bench.py

@@ -44,6 +44,7 @@ class AttentionMetadata:
     # Derived once per step (not per layer): the prefill sequences' row offsets, rebased to 0.
     prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)  # (B - num_decode_seqs + 1,)
     decode_plan: reference.DecodePlan | None = field(init=False, repr=False)  # CPU reference path only
+    slots_all_valid: bool = field(init=False, repr=False)  # checked once per step on CPU (planned steps only)
 
     def __post_init__(self) -> None:
         B = self.seq_lens.shape[0]
@@ -56,10 +57,13 @@ class AttentionMetadata:
         assert 0 <= self.num_decode_seqs <= B, "num_decode_seqs must be in [0, B]"
         nd = self.num_decode_seqs
         object.__setattr__(self, "prefill_query_start_loc", self.query_start_loc[nd:] - nd)
-        plan = None
-        if self.block_size is not None and nd > 0 and self.block_tables.device.type == "cpu":
-            plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot)
+        plan, all_valid = None, False
+        if self.block_size is not None and self.block_tables.device.type == "cpu":
+            all_valid = bool((self.slot_mapping >= 0).all())
+            if nd > 0:
+                plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot)
         object.__setattr__(self, "decode_plan", plan)
+        object.__setattr__(self, "slots_all_valid", all_valid)
 
     @property
     def num_seqs(self) -> int:
@@ -95,7 +99,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store k/v of this step's tokens, then attend. q (T, H, D), k/v (T, KVH, D) -> (T, H, D)."""
     store_kv, decode, prefill = kernels_for(q.device)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.slots_all_valid:  # the CPU reference skips its per-layer check
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots_valid=True)
+    else:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     T, nd, B = q.shape[0], meta.num_decode_seqs, meta.num_seqs
     if meta.decode_plan is not None:  # the CPU reference takes the gather planned once per step

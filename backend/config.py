@@ -23,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    compile: bool = False  # CPU: torch.compile the decode-only forward (faster steps, 1-2 min more at start)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -38,6 +39,7 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
         check(self.max_model_len is None or self.max_model_len >= 16, "max_model_len must be >= 16")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(not self.compile or self.device == "cpu", "compile is for the CPU path (CUDA runs the Triton kernels)")
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:

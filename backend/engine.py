@@ -71,7 +71,8 @@ class LLMEngine:
                             max_model_len=max_model_len, block_size=config.block_size),
             self.block_manager,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype,
+                                  compile_decode=config.compile)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, max_model_len)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

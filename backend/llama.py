@@ -26,6 +26,7 @@ pre-packed oneDNN weights (see `Linear`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -143,25 +144,47 @@ class Linear(nn.Module):
         packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if packable else None
         self._split = None
+        if packable:
+            self._split_weight()
+            _PACKED_WEIGHTS[w.data_ptr()] = self._packed
+            weakref.finalize(w, _PACKED_WEIGHTS.pop, w.data_ptr(), None)  # no packed copy outlives its weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _split_weight(self) -> None:
+        N, K, S = self.out_features, self.in_features, torch.get_num_threads()
+        parts = S if N % S == 0 else 1
+        self._split = (S, self.weight.view(parts, N // parts, K))  # (S, N/S, K) view
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, K) -> (T, N); with `residual` (T, N), returns residual + x @ W.T in one op."""
         if self._packed is None:
-            return F.linear(x, self.weight, self.bias)  # (T, N)
+            y = F.linear(x, self.weight, self.bias)  # (T, N)
+            return y if residual is None else residual + y
         if x.shape[0] == 1:
-            return self._one_row(x)  # (1, N)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
+            return self._one_row(x, residual)  # (1, N)
+        if torch.compiler.is_compiling():  # inductor cannot lower the oneDNN op itself: an opaque call
+            y = packed_linear(x, self.weight)  # (T, N)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
+        return y if residual is None else residual + y
 
-    def _one_row(self, x: torch.Tensor) -> torch.Tensor:
+    def _one_row(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         N, K = self.out_features, self.in_features
-        S = torch.get_num_threads()
-        if self._split is None or self._split[0] != S:
-            parts = S if N % S == 0 else 1
-            self._split = (S, self.weight.view(parts, N // parts, K))  # (S, N/S, K) view
+        if self._split is None or (not torch.compiler.is_compiling() and self._split[0] != torch.get_num_threads()):
+            self._split_weight()  # (a compiled graph keeps the split it was traced with)
         w = self._split[1]
-        # x as a (K, 1) column with strides (1, K) (MKL's fast path; strides (1, 1) run 3x slower).
-        col = x.reshape(1, K).t().expand(w.shape[0], K, 1)  # (S, K, 1)
+        S = w.shape[0]
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        # x as a (K, 1) column with strides (1, K) (MKL's fast path; strides (1, 1) run 3x slower),
+        # shared by the S slices (stride 0).
+        col = x.as_strided((S, K, 1), (0, 1, K))  # (S, K, 1)
+        if residual is not None and self.bias is None:
+            return torch.baddbmm(residual.reshape(S, N // S, 1), w, col).view(1, N)  # (1, N)
         y = torch.bmm(w, col).view(1, N)  # (1, N)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else y + residual
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
         self._packed, self._split = None, None
@@ -172,6 +195,22 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = self._packed is not None
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, packed={packed}"
+
+
+# oneDNN copies by the data pointer of their plain weight, for `packed_linear` (a compiled graph
+# carries the plain weight; an opaque-layout tensor cannot pass through torch.compile's fake tensors).
+_PACKED_WEIGHTS: dict[int, torch.Tensor] = {}
+
+
+@torch.library.custom_op("llm_backend::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, K) @ weight (N, K).T through weight's oneDNN-packed copy -> (T, N)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[weight.data_ptr()], None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -218,15 +257,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(C, (H + 2 * KVH) * D, config.qkv_bias, device, dtype)  # q, k, v stacked
         self.o_proj = Linear(H * D, C, False, device, dtype)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
+        """x: the normed hidden states (T, C) -> residual + attention output (T, C)."""
         T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
-        qkv = self.qkv_proj(x)  # (T, (H + 2*KVH) * D)
+        qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
         qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # (T, H + KVH, D) queries then keys
         qk = apply_rope(qk, cos, sin)  # (T, H + KVH, D) rotated together: one pass for q and k
         q, k = qk.split((H, KVH), dim=1)  # (T, H, D), (T, KVH, D)
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)  # (T, KVH, D)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
-        return self.o_proj(o.reshape(T, H * D))  # (T, C)
+        return self.o_proj.forward(o.reshape(T, H * D), residual)  # (T, C)
 
 
 class MLP(nn.Module):
@@ -236,9 +276,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(C, 2 * Fw, False, device, dtype)  # gate, up stacked
         self.down_proj = Linear(Fw, C, False, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, F), (T, F)
-        return self.down_proj(F.silu(gate) * up)  # (T, C)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x: the normed hidden states (T, C) -> residual + MLP output (T, C)."""
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)  # (T, F), (T, F)
+        return self.down_proj.forward(F.silu(gate) * up, residual)  # (T, C)
 
 
 class Block(nn.Module):
@@ -249,9 +290,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = MLP(config, device, dtype)
 
+    # For torch.compile (backend/compiled_decode.py): every layer runs the same graph, traced and
+    # compiled once instead of 30 times. A plain call in eager mode.
+    @torch.compiler.nested_compile_region
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)  # (T, C)
-        return x + self.mlp(self.post_attention_layernorm(x))  # (T, C)
+        # Submodules' .forward is called directly: nn.Module.__call__ costs microseconds, times ~10
+        # calls per layer, times every layer, on every step (batch-1 decode is overhead-bound).
+        # The residual add happens inside o_proj and down_proj.
+        x = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta, residual=x)  # (T, C)
+        return self.mlp.forward(self.post_attention_layernorm.forward(x), residual=x)  # (T, C)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -279,7 +326,6 @@ class LlamaForCausalLM(nn.Module):
             self._tie_lm_head()
         return self
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -287,13 +333,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final-normed hidden states (T, C)."""
+        """input_ids, positions: (T,) -> final-normed hidden states (T, C).
+
+        Call under torch.inference_mode() or torch.no_grad() (the compiled decode path needs the latter)."""
         x = F.embedding(input_ids, self.embed_tokens)  # (T, C)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)  # (T, C)
-        return self.norm(x)  # (T, C)
+            x = layer.forward(x, cos, sin, kv_cache, meta)  # (T, C)
+        return self.norm.forward(x)  # (T, C)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, C) of the rows to sample from -> logits (S, V) in fp32.

@@ -23,7 +23,7 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, compile_decode: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -36,10 +36,25 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, dtype, device)
         self.zero_slot = num_blocks * block_size
+        self.decode_forward = None  # compiled_decode.DecodeForward when compile_decode
+        # inference_mode is the cheaper mode in eager; the compiled graph needs no_grad (see compiled_decode).
+        self._grad_mode = torch.no_grad if compile_decode else torch.inference_mode
+        if compile_decode:
+            if num_blocks < 6:
+                raise ValueError("compile needs at least 6 KV blocks (the warm-up runs on blocks 0-5)")
+            # Imported here: it imports torch._dynamo, which imports triton, which must not happen
+            # before a test process sets TRITON_INTERPRET (tests/test_kernels.py).
+            from backend import compiled_decode
 
-    @torch.inference_mode()
+            self.decode_forward = compiled_decode.compile_decode_forward(model)
+            compiled_decode.warm_up(self.decode_forward, self.kv_caches, block_size, self.zero_slot)
+
     def execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
         """Computes the scheduled tokens; returns one sampled token per sequence that samples."""
+        with self._grad_mode():
+            return self._execute(batch)
+
+    def _execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
         self._copy_blocks(batch.blocks_to_copy)
         if not batch.scheduled:
             return []
@@ -78,7 +93,9 @@ class ModelRunner:
             block_size=bs,
             zero_slot=self.zero_slot,
         )
-        hidden = self.model(  # (T, hidden)
+        decode_only = batch.num_decode_seqs == len(batch.scheduled)
+        forward = self.decode_forward if decode_only and self.decode_forward is not None else self.model
+        hidden = forward(  # (T, hidden)
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_caches,

@@ -6,6 +6,8 @@
     aggregate output tokens/s. The engine batches continuously (a finished request's seat is
     refilled at once); transformers runs static batches of 16 padded to the longest output, and
     only the requested tokens count as output.
+With --compile (`make bench-engine` passes it), (a) and (b) run again on an engine with
+EngineConfig(compile=True) (backend/compiled_decode.py); the plain keys stay the default engine's.
 
 The last line printed is one JSON object (see the keys at the end). Numbers, not tests.
 """
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run (a) and (b) on an engine with EngineConfig(compile=True)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -158,6 +162,23 @@ def main() -> None:
         hf_mixed = n / secs
         print(f"(b) transformers, static batches of {args.concurrency}: {n} tokens in {secs:.1f} s "
               f"= {hf_mixed:.1f} tok/s", flush=True)
+    compiled: dict[str, float] = {}
+    if args.compile:
+        del engine
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=2048,
+                                        enable_prefix_caching=False, compile=True), checkpoint=checkpoint)
+        compiled["compile_start_s"] = round(time.perf_counter() - t0, 1)
+        run_engine(engine, [prompt], [8], 1)  # warm-up
+        n, _, decode_s = run_engine(engine, [prompt], [args.batch1_tokens], 1)
+        compiled["engine_compiled_batch1_tok_s"] = round((n - 1) / decode_s, 2)
+        compiled["engine_compiled_batch1_fraction_of_bound"] = round((n - 1) / decode_s / bound, 3)
+        n, secs, _ = run_engine(engine, prompts, lengths, args.concurrency)
+        compiled["engine_compiled_mixed_tok_s"] = round(n / secs, 2)
+        print(f"(a, b) engine with compile=True (start {compiled['compile_start_s']} s): batch-1 "
+              f"{compiled['engine_compiled_batch1_tok_s']:.1f} tok/s "
+              f"({compiled['engine_compiled_batch1_fraction_of_bound']:.0%} of the bound), "
+              f"mixed {compiled['engine_compiled_mixed_tok_s']:.1f} tok/s", flush=True)
     print(json.dumps({
         "engine_batch1_tok_s": round(engine_b1, 2),
         "hf_batch1_tok_s": round(hf_b1, 2),
@@ -168,6 +189,7 @@ def main() -> None:
         "hf_mixed_tok_s": round(hf_mixed, 2),
         "mixed_ratio": round(engine_mixed / hf_mixed, 2) if hf is not None else None,
         "batch1_ratio": round(engine_b1 / hf_b1, 2) if hf is not None else None,
+        **compiled,
     }))
 
 

@@ -24,20 +24,29 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    all_slots_valid: bool = False,
 ) -> None:
     """Write k[t], v[t] into cache slot slot_mapping[t]; a negative slot skips row t.
 
     k, v: (T, KVH, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); slot_mapping: (T,) int64.
+    all_slots_valid: the caller checked once per step that no slot is negative (saves a check per layer).
     Writes in place (works for any cache strides).
     """
-    block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k.device, dtype=torch.long)  # (T,)
-    keep = slots >= 0  # (T,)
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]  # (T', ...)
+    if not all_slots_valid:
+        keep = slots >= 0  # (T,)
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]  # (T', ...)
     if slots.numel() == 0:
         return
-    blocks, offsets = slots // block_size, slots % block_size  # (T',), (T',)
+    NB, BS, KVH, D = k_cache.shape
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        # One row copy per token into the flat (slots, KVH, D) view: a third of fancy indexing's cost.
+        k_cache.view(NB * BS, KVH, D).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(NB * BS, KVH, D).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    blocks, offsets = slots // BS, slots % BS  # (T',), (T',)
     k_cache[blocks, offsets] = k.to(k_cache.dtype)  # (T', KVH, D) into (NB, BS, KVH, D)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
 

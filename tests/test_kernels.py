@@ -185,8 +185,19 @@ def test_store_kv_reference_matches_loop():
         if s >= 0:
             ek[s // 16, s % 16] = k[t]
             ev[s // 16, s % 16] = v[t]
+    # Contiguous caches take the flat index_copy_ path, strided ones fancy indexing: same result.
+    strided_k = torch.empty(6, 16, 4, 64).transpose(1, 2)[:, :2].transpose(1, 2)  # (6, 16, 2, 64), not contiguous
+    strided_v = torch.empty_like(strided_k).copy_(v_cache)
+    strided_k.copy_(k_cache)
     store_kv_ref(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
+    store_kv_ref(k, v, strided_k, strided_v, slots)
+    assert torch.equal(strided_k, ek) and torch.equal(strided_v, ev)
+    # A caller that checked the slots once per step skips the per-layer check.
+    valid = slots >= 0
+    k_cache2, v_cache2 = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k[valid] * 2, v[valid] * 2, k_cache2, v_cache2, slots[valid], all_slots_valid=True)
+    assert torch.equal(k_cache2[0, 0], 2 * k[0]) and torch.equal(v_cache2[95 // 16, 95 % 16], 2 * v[3])
 
 
 # ----------------------------------------------------------------------------- store_kv kernel
