@@ -38,7 +38,8 @@ def compile_decode_forward(model: LlamaForCausalLM) -> DecodeForward:
 
     def forward(input_ids, positions, kv_caches, meta):
         # Only the per-step sizes are symbolic (batch, context, block-table width); weights and the
-        # KV cache keep static shapes, which keeps tracing to seconds and guards cheap.
+        # KV cache keep static shapes. (With dynamic=True every KV-cache dimension became a symbol
+        # and tracing SmolLM2 ran for over 15 minutes.)
         for t in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in (meta.block_tables, meta.decode_plan.slots, meta.decode_plan.valid):
