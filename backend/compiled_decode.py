@@ -1,6 +1,6 @@
 """The decode-only forward compiled with torch.compile (inductor) for CPU serving.
 
-Why: a batch-1 decode step on a CPU is mostly per-op overhead. Its matrix work runs at the memory
+Why: much of a batch-1 decode step on a CPU is per-op overhead. Its matrix work runs at the memory
 bandwidth bound (~31 ms for SmolLM2's 538 MB of fp32 weights on the project machine); eager mode adds
 ~25 small ops per layer at several microseconds each, 20-25 ms per step. Inductor fuses the
 element-wise ops into C++ loops and runs the whole step as one graph.
@@ -10,6 +10,10 @@ streaming users wait on. Steps with a prefill chunk stay eager: they are compute
 reference loops over sequences in Python. Shapes are dynamic (batch size, context length, block
 table width), so two graphs serve every decode step: batch 1 (matrix-vector products) and batch >= 2.
 `warm_up` compiles both when the engine starts, so no user request waits for the compiler.
+
+The matrix products stay library calls: the oneDNN linear (batch >= 2) and the one-row split bmm go in
+as opaque custom ops (backend.llama.packed_linear, split_matvec); inductor cannot lower the first and
+would fuse the second into its own C++ loop, which reads the weights slower than MKL.
 
 Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
 on-disk cache). Hence off by default (`EngineConfig.compile`).
