@@ -54,12 +54,18 @@ def compile_decode_forward(model: LlamaForCausalLM) -> DecodeForward:
     return forward
 
 
+WARM_UP_BATCHES = (1, 3)  # one per graph; 3, not 2, so the batch size differs from every other size
+WARM_UP_BLOCKS = 2 * max(WARM_UP_BATCHES)  # two per sequence
+
+
 @torch.no_grad()
 def warm_up(forward: DecodeForward, kv_caches: list[KVCache], block_size: int, zero_slot: int) -> None:
-    """Compile both graphs by running them on blocks 0-5, then clear those blocks again. Run before the
-    engine takes requests. The sizes used (batch 3, 2 blocks per sequence, context block_size + 3) are
-    all different, so no two per-step sizes get tied together by the first trace."""
-    for batch in (1, 3):
+    """Compile both graphs by running them on the first WARM_UP_BLOCKS blocks, then clear those blocks
+    again. Run before the engine takes requests. The sizes used (batch 3, 2 blocks per sequence, context
+    block_size + 3) are all different, so no two per-step sizes get tied together by the first trace."""
+    if zero_slot // block_size < WARM_UP_BLOCKS:  # the null block (zero_slot) follows the usable ones
+        raise ValueError(f"compile needs at least {WARM_UP_BLOCKS} KV blocks (the warm-up runs on them)")
+    for batch in WARM_UP_BATCHES:
         tables = torch.arange(2 * batch, dtype=torch.int32).view(batch, 2)  # (B, 2)
         context = block_size + 3
         meta = AttentionMetadata(
@@ -75,5 +81,5 @@ def warm_up(forward: DecodeForward, kv_caches: list[KVCache], block_size: int, z
         positions = torch.full((batch,), context - 1, dtype=torch.int64)
         forward(input_ids, positions, kv_caches, meta)
     for k_cache, v_cache in kv_caches:
-        k_cache[:6].zero_()
-        v_cache[:6].zero_()
+        k_cache[:WARM_UP_BLOCKS].zero_()
+        v_cache[:WARM_UP_BLOCKS].zero_()

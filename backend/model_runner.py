@@ -40,8 +40,6 @@ class ModelRunner:
         # inference_mode is the cheaper mode in eager; the compiled graph needs no_grad (see compiled_decode).
         self._grad_mode = torch.no_grad if compile_decode else torch.inference_mode
         if compile_decode:
-            if num_blocks < 6:
-                raise ValueError("compile needs at least 6 KV blocks (the warm-up runs on blocks 0-5)")
             # Imported here: it imports torch._dynamo, which imports triton, which must not happen
             # before a test process sets TRITON_INTERPRET (tests/test_kernels.py).
             from backend import compiled_decode
