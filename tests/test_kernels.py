@@ -186,9 +186,10 @@ def test_store_kv_reference_matches_loop():
             ek[s // 16, s % 16] = k[t]
             ev[s // 16, s % 16] = v[t]
     # Contiguous caches take the flat index_copy_ path, strided ones fancy indexing: same result.
-    strided_k = torch.empty(6, 16, 4, 64).transpose(1, 2)[:, :2].transpose(1, 2)  # (6, 16, 2, 64), not contiguous
-    strided_v = torch.empty_like(strided_k).copy_(v_cache)
+    strided_k, strided_v = (torch.empty(6, 16, 4, 64).transpose(1, 2)[:, :2].transpose(1, 2) for _ in "kv")
+    assert not strided_k.is_contiguous() and not strided_v.is_contiguous()  # (6, 16, 2, 64) views
     strided_k.copy_(k_cache)
+    strided_v.copy_(v_cache)
     store_kv_ref(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
     store_kv_ref(k, v, strided_k, strided_v, slots)
