@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv serve test test-fast bench-engine bench-serve perf genai-perf clean
+.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve perf genai-perf clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -20,16 +20,21 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 
 venv: $(STAMP)
 
-serve: venv
+# The one-row CPU kernel (kernels/cpu_matvec.cpp) is built before anything needs it: ~20 s once,
+# a no-op later (and a warning, not a failure, where it cannot be built: torch runs instead).
+cpu-kernels: venv
+	$(PY) -m kernels.cpu_matvec
+
+serve: cpu-kernels
 	$(PY) -m scripts.serve
 
-test: venv
+test: cpu-kernels
 	$(PY) -m pytest
 
-test-fast: venv
+test-fast: cpu-kernels
 	$(PY) -m pytest -m "not slow and not e2e"
 
-bench-engine: venv
+bench-engine: cpu-kernels
 	$(PY) benchmarks/engine_bench.py --compile
 
 bench-serve: venv

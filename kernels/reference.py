@@ -71,6 +71,7 @@ class DecodePlan:
     slots: torch.Tensor  # (B, L) int64: cache slot of each context position (zero_slot where invalid)
     valid: torch.Tensor  # (B, L) bool: position < seq_lens[b]
     reads_zeros: bool  # invalid positions read a slot known to hold zeros: no masking of K/V needed
+    all_valid: bool  # every context has length L (always so at batch 1): attention needs no mask
 
 
 def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -81,11 +82,12 @@ def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     positions then read it instead of stale data, which saves masking the gathered K/V.
     """
     L = int(seq_lens.max()) if seq_lens.numel() else 0
+    all_valid = int(seq_lens.min()) == L if seq_lens.numel() else True
     pos = torch.arange(L, device=block_tables.device)  # (L,)
     valid = pos[None, :] < seq_lens.to(torch.long)[:, None]  # (B, L)
     blocks = block_tables.to(torch.long).gather(1, (pos // block_size).expand(len(seq_lens), L))  # (B, L)
     slots = torch.where(valid, blocks * block_size + pos % block_size, zero_slot or 0)  # (B, L)
-    return DecodePlan(slots=slots, valid=valid, reads_zeros=zero_slot is not None)
+    return DecodePlan(slots=slots, valid=valid, reads_zeros=zero_slot is not None, all_valid=all_valid)
 
 
 def paged_attention_decode_ref(
@@ -113,21 +115,24 @@ def paged_attention_decode_ref(
         return q.new_empty(B, H, D)
     plan = plan or decode_plan(block_tables, seq_lens, BS)
     L = plan.slots.shape[1]
-    index = plan.slots.reshape(-1).to(k_cache.device)  # (B*L,)
+    index = plan.slots.reshape(-1)  # (B*L,)
     k = k_cache.reshape(NB * BS, KVH, D).index_select(0, index).view(B, L, KVH, D)  # (B, L, KVH, D)
     v = v_cache.reshape(NB * BS, KVH, D).index_select(0, index).view(B, L, KVH, D)  # (B, L, KVH, D)
     # Slots past seq_lens hold stale data (maybe NaN from torch.empty): NaN survives both the
     # additive mask and a zero attention weight, so clear them in the gathered copies.
-    if not plan.reads_zeros:
+    # A compiled graph always masks: branching on all_valid would compile one more graph per batch size.
+    masked = torch.compiler.is_compiling() or not plan.all_valid
+    if not plan.reads_zeros and masked:
         invalid = ~plan.valid[:, :, None, None]  # (B, L, 1, 1)
         k.masked_fill_(invalid, 0.0)
         v.masked_fill_(invalid, 0.0)
+    # (.float() is free for fp32 caches.)
     qg = q.reshape(B, KVH, G, D).float()  # (B, KVH, G, D): the G query heads of a KV head together
     out = F.scaled_dot_product_attention(
         qg,
         k.transpose(1, 2).float(),  # (B, KVH, L, D)
         v.transpose(1, 2).float(),  # (B, KVH, L, D)
-        attn_mask=plan.valid[:, None, None, :],  # (B, 1, 1, L)
+        attn_mask=plan.valid[:, None, None, :] if masked else None,  # (B, 1, 1, L)
         scale=scale,
     )  # (B, KVH, G, D)
     return out.reshape(B, H, D).to(q.dtype)  # (B, H, D)
