@@ -20,10 +20,10 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 
 venv: $(STAMP)
 
-# The one-row CPU kernel (kernels/cpu_matvec.cpp) is built before anything needs it: ~20 s once,
+# The few-row CPU linear kernel (kernels/cpu_linear.cpp) is built before anything needs it: ~20 s once,
 # a no-op later (and a warning, not a failure, where it cannot be built: torch runs instead).
 cpu-kernels: venv
-	$(PY) -m kernels.cpu_matvec
+	$(PY) -m kernels.cpu_linear
 
 serve: cpu-kernels
 	$(PY) -m scripts.serve

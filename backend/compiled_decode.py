@@ -11,9 +11,11 @@ reference loops over sequences in Python. Shapes are dynamic (batch size, contex
 table width), so two graphs serve every decode step: batch 1 (matrix-vector products) and batch >= 2.
 `warm_up` compiles both when the engine starts, so no user request waits for the compiler.
 
-The matrix products stay library calls: the oneDNN linear (batch >= 2) and the one-row split bmm go in
-as opaque custom ops (backend.llama.packed_linear, split_matvec); inductor cannot lower the first and
-would fuse the second into its own C++ loop, which reads the weights slower than MKL.
+The matrix products stay opaque calls: batch 1 the project's kernel (kernels/cpu_linear.cpp, or the split
+bmm where it is not built), batch >= 2 the oneDNN linear (backend.llama.packed_linear: inductor cannot
+lower it; the kernel is not used there, as it serves only up to 32 rows and the graph must not branch on
+the batch size). Inductor would fuse a plain one-row bmm into its own C++ loop, which reads the weights
+slower than MKL, hence split_matvec.
 
 Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
 on-disk cache). Hence off by default (`EngineConfig.compile`).

@@ -19,8 +19,8 @@ The batch is flattened: forward takes T tokens of several sequences back to back
 
 Loading: `load_weights` takes HF Llama names (model.layers.0.self_attn.q_proj.weight, ...) and fuses
 q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32, `Linear`
-runs one-row matmuls (batch-1 decode) at the memory-bandwidth bound and several-row ones through
-pre-packed oneDNN weights (see `Linear`).
+runs decode steps' matmuls (up to 32 rows) on the project's AVX2 kernel (kernels/cpu_linear.cpp) and
+prefill's through pre-packed oneDNN weights (see `Linear`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backend.attention import AttentionMetadata, paged_attention
-from kernels import cpu_matvec
-from kernels.cpu_matvec import Matvec
+from kernels import cpu_linear
+from kernels.cpu_linear import CpuLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, KVH, D) each
 
@@ -115,12 +115,14 @@ class LlamaConfig:
 class Linear(nn.Module):
     """y = x @ W.T (+ b), with two CPU fast paths for fp32 (weights arrive through `load`):
 
-    - one row (batch-1 decode, memory-bound): the AVX2 kernel kernels/cpu_matvec.cpp, bias and
-      residual added in its epilogue (15-16.5 GB/s on SmolLM2's matrices on 2 cores). Where it could
-      not be built: W viewed as (S, N/S, K) for S threads and run as one batched matmul, so each thread
-      streams its own slice of W (13-14 GB/s; plain F.linear / mv reads them at 7-8 GB/s);
-    - several rows (batched decode, prefill): W pre-packed for oneDNN (torch.ops.mkldnn, what
-      torch.compile's CPU freezing uses), 1.5-2x the GFLOP/s of F.linear at 16-128 rows.
+    - up to cpu_linear.MAX_ROWS rows (decode steps): the AVX2 kernel kernels/cpu_linear.cpp, bias and
+      residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one row's weights at
+      15-16.5 GB/s and is 1.5x faster than oneDNN at 2-4 rows, 1.1-1.2x at 8-32
+      (benchmarks/cpu_linear_bench.py). Where it could not be built, one row runs as a split bmm: W
+      viewed as (S, N/S, K) for S threads, one batched matmul, each thread streaming its own slice of
+      W (13-14 GB/s; plain F.linear / mv read 7-8 GB/s);
+    - more rows (prefill), or any rows without the kernel: W pre-packed for oneDNN (torch.ops.mkldnn,
+      what torch.compile's CPU freezing uses), 1.5-2x the GFLOP/s of F.linear at 16-128 rows.
 
     So on CPU the weight is held twice (plain + packed). `.to(...)` drops and rebuilds the packed copy.
     """
@@ -132,7 +134,7 @@ class Linear(nn.Module):
         self.bias = _param(torch.empty(out_features, device=device, dtype=dtype)) if bias else None  # (N,)
         self._packed: torch.Tensor | None = None  # oneDNN layout of weight (CPU fp32 only)
         self._split: tuple[int, torch.Tensor] | None = None  # (threads, weight viewed as (S, N/S, K))
-        self._matvec: Matvec | None = None  # kernels/cpu_matvec.cpp, where it was built (CPU fp32 only)
+        self._kernel: CpuLinear | None = None  # kernels/cpu_linear.cpp, where it was built (CPU fp32 only)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         assert weight.shape == self.weight.shape, f"weight {tuple(weight.shape)} != {tuple(self.weight.shape)}"
@@ -148,7 +150,7 @@ class Linear(nn.Module):
         packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if packable else None
         self._split = None
-        self._matvec = cpu_matvec.load() if packable else None
+        self._kernel = cpu_linear.load() if packable else None
         if packable:
             self._split_weight()
             _PACKED_WEIGHTS[w.data_ptr()] = self._packed
@@ -164,7 +166,12 @@ class Linear(nn.Module):
         if self._packed is None:
             y = F.linear(x, self.weight, self.bias)  # (T, N)
             return y if residual is None else residual + y
-        if x.shape[0] == 1:
+        T = x.shape[0]
+        # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
+        if self._kernel is not None and (T == 1 or (T <= cpu_linear.MAX_ROWS and not torch.compiler.is_compiling())):
+            residual = None if residual is None else residual.contiguous()
+            return self._kernel(x.contiguous(), self.weight, self.bias, residual)  # (T, N)
+        if T == 1:
             return self._one_row(x, residual)  # (1, N)
         if torch.compiler.is_compiling():  # inductor cannot lower the oneDNN op itself: an opaque call
             y = packed_linear(x, self.weight)  # (T, N)
@@ -174,8 +181,7 @@ class Linear(nn.Module):
         return y if residual is None else residual + y
 
     def _one_row(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if self._matvec is not None:
-            return self._matvec(x.contiguous(), self.weight, self.bias, residual)  # (1, N)
+        """The split bmm, where the kernel is not built."""
         N, K = self.out_features, self.in_features
         if self._split is None or (not torch.compiler.is_compiling() and self._split[0] != torch.get_num_threads()):
             self._split_weight()  # (a compiled graph keeps the split it was traced with)
@@ -199,7 +205,7 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
-        self._packed, self._split, self._matvec = None, None, None
+        self._packed, self._split, self._kernel = None, None, None
         super()._apply(fn, recurse)
         self.repack()
         return self

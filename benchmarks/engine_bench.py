@@ -2,7 +2,7 @@
 
 (a) batch-1 decode tokens/s, beside the memory-bandwidth bound (fp32 weight bytes read per
     decode step over the read bandwidth this script measures on this machine: the best of torch.mv,
-    a plain sum and the engine's matvec kernel, before and after the run);
+    a plain sum and the engine's linear kernel, before and after the run);
 (b) 32 requests, 128-token prompts, output lengths mixed 16..128 (ignore_eos), concurrency 16:
     aggregate output tokens/s. The engine batches continuously (a finished request's seat is
     refilled at once); transformers runs static batches of 16 padded to the longest output, and
@@ -32,7 +32,7 @@ from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.types import SamplingParams, StepOutput  # noqa: E402
 from benchmarks.hf_peer import build_hf_model  # noqa: E402
-from kernels import cpu_matvec  # noqa: E402
+from kernels import cpu_linear  # noqa: E402
 
 WORDS = ("alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
          "window silver echo forest number winter copper ladder candle harbor").split()
@@ -56,15 +56,15 @@ def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
 def measure_bandwidth_gb_s(repeats: int = 10) -> dict[str, float]:
     """Read bandwidth over a 256 MB fp32 matrix (far beyond the caches), median of `repeats`, by three
     read patterns: torch.mv; a plain sum (a pure streaming read, what the memory system gives); the
-    one-row kernel the engine uses (kernels/cpu_matvec.cpp), where it is built. The bound uses the
+    one-row kernel the engine uses (kernels/cpu_linear.cpp), where it is built. The bound uses the
     highest, so it is what this machine demonstrably reads, not what one library routine reaches
     (torch.mv reads 25-35% below a plain sum here)."""
     w = torch.randn(8192, 8192)
     x = torch.randn(1, 8192)
     reads = {"mv": lambda: torch.mv(w, x[0]), "sum": lambda: w.sum()}
-    kernel = cpu_matvec.load()
+    kernel = cpu_linear.load()
     if kernel is not None:
-        reads["matvec_kernel"] = lambda: kernel(x, w)
+        reads["kernel"] = lambda: kernel(x, w)
     result = {}
     for name, read in reads.items():
         for _ in range(2):
