@@ -3,8 +3,8 @@
 The workload is a decode step's weight reading: SmolLM2-135M's per-layer matrices (qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536), 30 layers of distinct random weights (425 MB, far beyond
 the caches), each multiplied by M rows in layer order, for M in --rows. Per way and M: the median time
-of a pass, the weight bytes read per second and GFLOP/s. Alongside, a plain sum over a 256 MB tensor:
-the streaming read bandwidth of the machine at that moment. Ways alternate within each round, so drift
+of a pass, the weight bytes read per second and GFLOP/s. After each round, the machine's read bandwidth
+at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways alternate within each round, so drift
 hits all alike. The crossover where oneDNN overtakes the kernel sets kernels.cpu_linear.MAX_ROWS.
 
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 48] [--rounds 2]
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bandwidth import measure_read_bandwidth_gb_s  # noqa: E402
 from kernels import cpu_linear  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one SmolLM2 layer's matrices
@@ -67,16 +68,6 @@ def time_pass(weights: list[list[torch.Tensor]], multiply, xs: dict[int, torch.T
     return statistics.median(times)
 
 
-def sum_read_gb_s(big: torch.Tensor, repeats: int = 5) -> float:
-    big.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(times) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48])
@@ -88,7 +79,6 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
     plain = [[torch.randn(N, K) for N, K in SHAPES] for _ in range(LAYERS)]
     weight_bytes = sum(N * K * 4 for N, K in SHAPES) * LAYERS
-    big = torch.empty(64 * 2**20).normal_()  # 256 MB
     gb_s: dict[str, dict[int, list[float]]] = {}
     with torch.inference_mode():
         for w, (N, K) in zip(plain[0], SHAPES):  # every way computes the same product
@@ -110,8 +100,11 @@ def main() -> None:
                                 f"{weight_bytes / 2 * rows / seconds / 1e9:.0f} GFLOP/s)")
                     del prepared
                 print("  ".join(line), flush=True)
-            gb_s.setdefault("sum_256mb", {}).setdefault(0, []).append(sum_read_gb_s(big))
-            print(f"round {r + 1}: sum over 256 MB {gb_s['sum_256mb'][0][-1]:.1f} GB/s", flush=True)
+            reads = measure_read_bandwidth_gb_s()
+            for name, value in reads.items():
+                gb_s.setdefault(f"read_256mb_{name}", {}).setdefault(0, []).append(value)
+            print(f"round {r + 1}: read bandwidth over 256 MB, GB/s: "
+                  + ", ".join(f"{name} {value:.1f}" for name, value in reads.items()), flush=True)
     summary = {name: {m: round(statistics.median(v), 2) for m, v in per_rows.items()} for name, per_rows in gb_s.items()}
     print(f"{weight_bytes / 1e6:.0f} MB of weights per pass; median GB/s by rows: {summary}", flush=True)
     print(json.dumps(summary))

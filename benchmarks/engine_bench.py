@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,8 @@ from backend.checkpoint import load_checkpoint  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.types import SamplingParams, StepOutput  # noqa: E402
+from benchmarks.bandwidth import measure_read_bandwidth_gb_s  # noqa: E402
 from benchmarks.hf_peer import build_hf_model  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
 
 WORDS = ("alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
          "window silver echo forest number winter copper ladder candle harbor").split()
@@ -51,31 +50,6 @@ def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
     embed = "model.embed_tokens.weight"
     total = sum(t.numel() * 4 for name, t in state_dict.items() if name != embed)
     return total if "lm_head.weight" in state_dict else total + state_dict[embed].numel() * 4
-
-
-def measure_bandwidth_gb_s(repeats: int = 10) -> dict[str, float]:
-    """Read bandwidth over a 256 MB fp32 matrix (far beyond the caches), median of `repeats`, by three
-    read patterns: torch.mv; a plain sum (a pure streaming read, what the memory system gives); the
-    one-row kernel the engine uses (kernels/cpu_linear.cpp), where it is built. The bound uses the
-    highest, so it is what this machine demonstrably reads, not what one library routine reaches
-    (torch.mv reads 25-35% below a plain sum here)."""
-    w = torch.randn(8192, 8192)
-    x = torch.randn(1, 8192)
-    reads = {"mv": lambda: torch.mv(w, x[0]), "sum": lambda: w.sum()}
-    kernel = cpu_linear.load()
-    if kernel is not None:
-        reads["kernel"] = lambda: kernel(x, w)
-    result = {}
-    for name, read in reads.items():
-        for _ in range(2):
-            read()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            read()
-            times.append(time.perf_counter() - t0)
-        result[name] = w.numel() * 4 / statistics.median(times) / 1e9
-    return result
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> tuple[int, float, float]:
@@ -146,12 +120,12 @@ def main() -> None:
     weight_bytes = decode_weight_bytes(checkpoint.state_dict)
     # (a) batch 1, between two bandwidth measurements (this VM's bandwidth drifts by 10-30% over
     # minutes); the bound takes the higher of the two.
-    before = measure_bandwidth_gb_s()
+    before = measure_read_bandwidth_gb_s()
     prompt = make_prompt_ids(tok, rng, 16)
     run_engine(engine, [prompt], [8], 1)  # warm-up
     n, _, decode_s = run_engine(engine, [prompt], [args.batch1_tokens], 1)
     engine_b1 = (n - 1) / decode_s
-    after = measure_bandwidth_gb_s()
+    after = measure_read_bandwidth_gb_s()
     reads = {name: max(before[name], after[name]) for name in before}
     bandwidth = max(reads.values())
     bound = bandwidth * 1e9 / weight_bytes

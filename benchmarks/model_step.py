@@ -1,14 +1,12 @@
 """Decode-step time of backend.llama on SmolLM2 (forward + logits), batch B, context ~ctx tokens.
-usage: PYTHONPATH=. .venv/bin/python benchmarks/model_step.py THREADS B [--no-gemv]"""
+usage: PYTHONPATH=. .venv/bin/python benchmarks/model_step.py THREADS B
+A/B against torch's matmuls: LLM_CPU_LINEAR=0 (kernels/cpu_linear.py) runs them instead of the kernel."""
 import os, sys, time, torch
 nt, B = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(nt)
 from backend.checkpoint import load_checkpoint
-from backend import llama
 from backend.llama import LlamaForCausalLM
 from backend.attention import AttentionMetadata, allocate_kv_caches
-if "--no-gemv" in sys.argv:  # A/B: one-row matmuls through oneDNN too
-    llama.Linear._one_row = lambda self, x: torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 t = time.perf_counter(); c = load_checkpoint("smollm2"); t_load = time.perf_counter() - t
 t = time.perf_counter(); m = LlamaForCausalLM(c.config); m.load_weights(c.state_dict); t_build = time.perf_counter() - t
 cfg = c.config; BS = 16; ctx = 128; nb = ctx // BS + 1
@@ -18,11 +16,12 @@ pos = torch.full((B,), ctx, dtype=torch.int64)
 meta = AttentionMetadata(slot_mapping=tables[:, ctx // BS].long() * BS + ctx % BS, num_decode_seqs=B, block_tables=tables,
                          seq_lens=torch.full((B,), ctx + 1, dtype=torch.int32), query_start_loc=torch.arange(B + 1, dtype=torch.int32))
 x = torch.randint(0, cfg.vocab_size, (B,))
+torch.set_grad_enabled(False)  # forward runs under no_grad or inference_mode
 step = lambda: m.compute_logits(m(x, pos, kv, meta))
 for _ in range(3): step()
 ts = []
 for _ in range(int(os.environ.get("N", 30))):
     t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
 ts.sort(); med = ts[len(ts) // 2]
-print(f"threads={nt} B={B} ctx={ctx}{' no-gemv' if '--no-gemv' in sys.argv else ''}: median {med*1e3:.1f} ms, min {ts[0]*1e3:.1f} ms"
+print(f"threads={nt} B={B} ctx={ctx}{' LLM_CPU_LINEAR=0' if os.environ.get('LLM_CPU_LINEAR') == '0' else ''}: median {med*1e3:.1f} ms, min {ts[0]*1e3:.1f} ms"
       f" -> {B/med:.1f} tok/s (median), {B/ts[0]:.1f} (best) | load {t_load:.2f}s build {t_build:.2f}s | loadavg {os.getloadavg()[0]:.2f}")
