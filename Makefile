@@ -20,10 +20,10 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 
 venv: $(STAMP)
 
-# The few-row CPU linear kernel (kernels/cpu_linear.cpp) is built before anything needs it: ~20 s once,
-# a no-op later (and a warning, not a failure, where it cannot be built: torch runs instead).
+# The C++ CPU kernels (kernels/cpu_kernels.py) are built before anything needs them: ~30 s once,
+# a no-op later (and a warning, not a failure, where they cannot be built: torch runs instead).
 cpu-kernels: venv
-	$(PY) -m kernels.cpu_linear
+	$(PY) -m kernels.cpu_kernels
 
 serve: cpu-kernels
 	$(PY) -m scripts.serve

@@ -8,7 +8,8 @@ sequences are decodes (one token each, rows 0..num_decode_seqs-1); the rest are 
 decode rows and the prefill kernel on the rest. On CUDA it calls the Triton kernels
 (kernels.store_kv, kernels.paged_attention, kernels.paged_prefill, imported on first use so that
 CPU-only code never needs `triton`); on CPU it calls the torch references in kernels.reference,
-which are the CPU serving path.
+which are the CPU serving path, except decode, which runs the C++ kernel of kernels.cpu_kernels
+where that is built.
 
 KV cache of one layer: k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim);
 the slot of a token is block_id * block_size + offset_in_block.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import reference
+from kernels import cpu_kernels, reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class AttentionMetadata:
         plan, all_valid = None, False
         if self.block_size is not None and self.block_tables.device.type == "cpu":
             all_valid = bool((self.slot_mapping >= 0).all())
-            if nd > 0:
+            if nd > 0 and cpu_kernels.paged_decode() is None:  # the C++ kernel reads the block tables itself
                 plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot)
         object.__setattr__(self, "decode_plan", plan)
         object.__setattr__(self, "slots_all_valid", all_valid)
@@ -78,14 +79,16 @@ def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
     """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA, torch references elsewhere.
 
     Looked up on every call (a few attribute reads) rather than bound at import, so tests can
-    swap any of them with monkeypatch.
+    swap any of them with monkeypatch. On CPU, decode goes through cpu_kernels.paged_attention_decode_cpu:
+    the C++ kernel (kernels/cpu_paged_attention.cpp) where it is built, the torch reference otherwise.
     """
     if device.type == "cuda":
         store = importlib.import_module("kernels.store_kv").store_kv
         decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
         prefill = importlib.import_module("kernels.paged_prefill").paged_prefill
         return store, decode, prefill
-    return reference.store_kv_ref, reference.paged_attention_decode_ref, reference.paged_prefill_ref
+    # Decode: the C++ kernel where it is built (and the dtype fp32), else the reference; see cpu_kernels.
+    return reference.store_kv_ref, cpu_kernels.paged_attention_decode_cpu, reference.paged_prefill_ref
 
 
 def paged_attention(

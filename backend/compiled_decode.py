@@ -48,9 +48,16 @@ def compile_decode_forward(model: LlamaForCausalLM) -> DecodeForward:
         # and tracing SmolLM2 ran for over 15 minutes.)
         for t in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        for t in (meta.block_tables, meta.decode_plan.slots, meta.decode_plan.valid):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+        plan = meta.decode_plan  # None where the C++ decode kernel reads the block tables itself
+        if plan is None:
+            torch._dynamo.maybe_mark_dynamic(meta.block_tables, 0)
+            # Unbacked: a table one block wide (every context <= block_size) must not be a new graph,
+            # and only the kernel reads this size, so nothing needs its value while tracing.
+            torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+        else:
+            for t in (meta.block_tables, plan.slots, plan.valid):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         return compiled(input_ids, positions, kv_caches, meta)
 
     return forward
@@ -68,7 +75,8 @@ def warm_up(forward: DecodeForward, kv_caches: list[KVCache], block_size: int, z
     if zero_slot // block_size < WARM_UP_BLOCKS:  # the null block (zero_slot) follows the usable ones
         raise ValueError(f"compile needs at least {WARM_UP_BLOCKS} KV blocks (the warm-up runs on them)")
     for batch in WARM_UP_BATCHES:
-        tables = torch.arange(2 * batch, dtype=torch.int32).view(batch, 2)  # (B, 2)
+        # A tensor of its own, like the runner's (a view would add guards on its base).
+        tables = torch.arange(2 * batch, dtype=torch.int32).view(batch, 2).clone()  # (B, 2)
         context = block_size + 3
         meta = AttentionMetadata(
             slot_mapping=tables[:, 1].long() * block_size + 2,  # the last position of each sequence

@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backend.attention import AttentionMetadata, paged_attention
-from kernels import cpu_linear
-from kernels.cpu_linear import CpuLinear
+from kernels import cpu_kernels
+from kernels.cpu_kernels import CpuLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, KVH, D) each
 
@@ -115,7 +115,7 @@ class LlamaConfig:
 class Linear(nn.Module):
     """y = x @ W.T (+ b), with two CPU fast paths for fp32 (weights arrive through `load`):
 
-    - up to cpu_linear.MAX_ROWS rows (decode steps): the AVX2 kernel kernels/cpu_linear.cpp, bias and
+    - up to cpu_kernels.MAX_LINEAR_ROWS rows (decode steps): the AVX2 kernel kernels/cpu_linear.cpp, bias and
       residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one row's weights at
       15-16.5 GB/s and is 1.5x faster than oneDNN at 2-4 rows, 1.1-1.2x at 8-32
       (benchmarks/cpu_linear_bench.py). Where it could not be built, one row runs as a split bmm: W
@@ -150,7 +150,7 @@ class Linear(nn.Module):
         packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if packable else None
         self._split = None
-        self._kernel = cpu_linear.load() if packable else None
+        self._kernel = cpu_kernels.linear() if packable else None
         if packable:
             self._split_weight()
             _PACKED_WEIGHTS[w.data_ptr()] = self._packed
@@ -168,7 +168,7 @@ class Linear(nn.Module):
             return y if residual is None else residual + y
         T = x.shape[0]
         # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
-        if self._kernel is not None and (T == 1 or (T <= cpu_linear.MAX_ROWS and not torch.compiler.is_compiling())):
+        if self._kernel is not None and (T == 1 or (not torch.compiler.is_compiling() and T <= cpu_kernels.MAX_LINEAR_ROWS)):
             residual = None if residual is None else residual.contiguous()
             return self._kernel(x.contiguous(), self.weight, self.bias, residual)  # (T, N)
         if T == 1:

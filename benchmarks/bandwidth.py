@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kernels import cpu_linear
+from kernels import cpu_kernels
 
 
 def measure_read_bandwidth_gb_s(repeats: int = 10) -> dict[str, float]:
@@ -19,7 +19,7 @@ def measure_read_bandwidth_gb_s(repeats: int = 10) -> dict[str, float]:
     w = torch.randn(8192, 8192)
     x = torch.randn(1, 8192)
     reads = {"mv": lambda: torch.mv(w, x[0]), "sum": lambda: w.sum()}
-    kernel = cpu_linear.load()
+    kernel = cpu_kernels.linear()
     if kernel is not None:
         reads["kernel"] = lambda: kernel(x, w)
     result = {}

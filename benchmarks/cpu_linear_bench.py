@@ -5,7 +5,7 @@ o 576x576, gate_up 3072x576, down 576x1536), 30 layers of distinct random weight
 the caches), each multiplied by M rows in layer order, for M in --rows. Per way and M: the median time
 of a pass, the weight bytes read per second and GFLOP/s. After each round, the machine's read bandwidth
 at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways alternate within each round, so drift
-hits all alike. The crossover where oneDNN overtakes the kernel sets kernels.cpu_linear.MAX_ROWS.
+hits all alike. The crossover where oneDNN overtakes the kernel sets kernels.cpu_kernels.MAX_LINEAR_ROWS.
 
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 48] [--rounds 2]
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bandwidth import measure_read_bandwidth_gb_s  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
+from kernels import cpu_kernels  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one SmolLM2 layer's matrices
 LAYERS = 30
@@ -45,7 +45,7 @@ def ways(rows: int) -> dict[str, Way]:
     """name -> (prepare the weight once, multiply `rows` rows by it)."""
     S = torch.get_num_threads()
     result: dict[str, Way] = {}
-    kernel = cpu_linear.load()
+    kernel = cpu_kernels.linear()
     if kernel is not None:
         result["kernel"] = (lambda w: w, lambda w, x: kernel(x, w))
     result["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),

@@ -1,6 +1,6 @@
 """Decode-step time of backend.llama on SmolLM2 (forward + logits), batch B, context ~ctx tokens.
 usage: PYTHONPATH=. .venv/bin/python benchmarks/model_step.py THREADS B
-A/B against torch's matmuls: LLM_CPU_LINEAR=0 (kernels/cpu_linear.py) runs them instead of the kernel."""
+A/B against torch: LLM_CPU_KERNELS=0 (kernels/cpu_kernels.py) runs torch's matmuls and attention instead of ours."""
 import os, sys, time, torch
 nt, B = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(nt)
@@ -23,5 +23,5 @@ ts = []
 for _ in range(int(os.environ.get("N", 30))):
     t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
 ts.sort(); med = ts[len(ts) // 2]
-print(f"threads={nt} B={B} ctx={ctx}{' LLM_CPU_LINEAR=0' if os.environ.get('LLM_CPU_LINEAR') == '0' else ''}: median {med*1e3:.1f} ms, min {ts[0]*1e3:.1f} ms"
+print(f"threads={nt} B={B} ctx={ctx}{' LLM_CPU_KERNELS=0' if os.environ.get('LLM_CPU_KERNELS') == '0' else ''}: median {med*1e3:.1f} ms, min {ts[0]*1e3:.1f} ms"
       f" -> {B/med:.1f} tok/s (median), {B/ts[0]:.1f} (best) | load {t_load:.2f}s build {t_build:.2f}s | loadavg {os.getloadavg()[0]:.2f}")

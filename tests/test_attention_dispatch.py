@@ -1,5 +1,6 @@
-"""backend.attention: CPU tensors go to the torch references, CUDA tensors to the Triton wrappers,
-and a mixed batch is split between the decode and prefill kernels the way docs/interfaces.md says.
+"""backend.attention: CPU tensors go to the torch references (decode: to the C++ kernel where it is
+built), CUDA tensors to the Triton wrappers, and a mixed batch is split between the decode and
+prefill kernels the way docs/interfaces.md says.
 
 No GPU needed: the Triton modules are replaced by fakes in sys.modules, and the references are
 wrapped to record their calls.
@@ -15,7 +16,7 @@ import torch
 
 from backend import attention
 from backend.attention import AttentionMetadata, allocate_kv_caches, kernels_for, paged_attention
-from kernels import reference
+from kernels import cpu_kernels, reference
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -67,34 +68,40 @@ def _dense_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
     return out
 
 
+# CPU decode enters through cpu_kernels.paged_attention_decode_cpu, which runs the C++ kernel where it
+# is built and the reference otherwise.
+CPU_DECODE = ["paged_attention_decode_cpu"] + ([] if cpu_kernels.paged_decode() else ["paged_attention_decode_ref"])
+
+
 @pytest.fixture
 def recorded(monkeypatch):
-    """Wrap the three references so each call is recorded (name, args) and still computed."""
+    """Wrap the three references and the CPU decode entry so each call is recorded (name, args) and still computed."""
     calls: list[tuple[str, tuple]] = []
-    for name in ("store_kv_ref", "paged_attention_decode_ref", "paged_prefill_ref"):
-        real = getattr(reference, name)
+    for module, name in ((reference, "store_kv_ref"), (reference, "paged_attention_decode_ref"),
+                         (reference, "paged_prefill_ref"), (cpu_kernels, "paged_attention_decode_cpu")):
+        real = getattr(module, name)
 
         def wrapper(*args, _real=real, _name=name):
             calls.append((_name, args))
             return _real(*args)
 
-        monkeypatch.setattr(reference, name, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
     return calls
 
 
-def test_cpu_mixed_batch_goes_to_references_split_at_num_decode(recorded):
+def test_cpu_mixed_batch_goes_to_the_cpu_kernels_split_at_num_decode(recorded):
     # 2 decodes (contexts 5 and 9) then 2 prefill chunks (3 new of 7, 6 new of 6).
     q, k, v, kc, vc, meta = _batch([1, 1, 3, 6], [5, 9, 7, 6], num_decode=2)
     out = paged_attention(q, k, v, kc, vc, meta, 1 / math.sqrt(D))
 
-    assert [name for name, _ in recorded] == ["store_kv_ref", "paged_attention_decode_ref", "paged_prefill_ref"]
+    assert [name for name, _ in recorded] == ["store_kv_ref", *CPU_DECODE, "paged_prefill_ref"]
     _, (sk, sv, skc, svc, slots) = recorded[0]
     assert sk is k and sv is v and skc is kc and svc is vc and slots is meta.slot_mapping
     _, (dq, _, _, dtables, dlens, dscale) = recorded[1]
     assert dq.shape == (2, H, D) and torch.equal(dq, q[:2])
     assert torch.equal(dtables, meta.block_tables[:2]) and dlens.tolist() == [5, 9]
     assert dscale == pytest.approx(1 / math.sqrt(D))
-    _, (pq, _, _, ptables, pqsl, plens, _) = recorded[2]
+    _, (pq, _, _, ptables, pqsl, plens, _) = recorded[-1]
     assert torch.equal(pq, q[2:]) and torch.equal(ptables, meta.block_tables[2:])
     assert pqsl.tolist() == [0, 3, 9] and plens.tolist() == [7, 6]  # rebased to the prefill rows
 
@@ -104,7 +111,7 @@ def test_cpu_mixed_batch_goes_to_references_split_at_num_decode(recorded):
 def test_cpu_decode_only_and_prefill_only_use_one_kernel(recorded):
     q, k, v, kc, vc, meta = _batch([1, 1, 1], [3, 17, 8], num_decode=3)
     out = paged_attention(q, k, v, kc, vc, meta, 1 / math.sqrt(D))
-    assert [name for name, _ in recorded] == ["store_kv_ref", "paged_attention_decode_ref"]
+    assert [name for name, _ in recorded] == ["store_kv_ref", *CPU_DECODE]
     assert torch.allclose(out, _dense_attention(q, kc, vc, meta), atol=1e-5)
 
     recorded.clear()
@@ -141,7 +148,7 @@ def test_cuda_device_selects_the_triton_wrappers(fake_triton):
     assert kernels_for(torch.device("cuda", 0)) == fns
     assert kernels_for(torch.device("cpu")) == (
         reference.store_kv_ref,
-        reference.paged_attention_decode_ref,
+        cpu_kernels.paged_attention_decode_cpu,
         reference.paged_prefill_ref,
     )
 

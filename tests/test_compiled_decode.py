@@ -30,6 +30,14 @@ def _requests(engine):
         engine.add_request(engine.make_request(f"r{i}", prompt, params))
 
 
+def _wide_batch(engine):
+    """Then 40 short requests at once: decode steps of 40 sequences, more than the CPU linear kernel's
+    32 rows (kernels.cpu_kernels.MAX_LINEAR_ROWS), must not compile another graph either."""
+    for i in range(40):
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+        engine.add_request(engine.make_request(f"wide{i}", [300 + i, 7], params))
+
+
 def _tokens_and_logprobs(outputs):
     result: dict[str, tuple[list[int], list[float]]] = {}
     for out in outputs:
@@ -43,20 +51,25 @@ def _tokens_and_logprobs(outputs):
 def check_compiled_matches_eager_and_never_recompiles() -> None:
     import torch._dynamo  # in the child process only (see the module docstring)
 
-    eager = tiny_engine()
+    settings = dict(max_num_seqs=48, num_kv_blocks=160, max_num_batched_tokens=128)
+    eager = tiny_engine(**settings)
     _requests(eager)
     expected = _tokens_and_logprobs(run_to_completion(eager))
+    _wide_batch(eager)
+    expected |= _tokens_and_logprobs(run_to_completion(eager))
 
-    compiled = tiny_engine(compile=True)  # compiles the batch-1 and batch>=2 graphs here
+    compiled = tiny_engine(compile=True, **settings)  # compiles the batch-1 and batch>=2 graphs here
     assert compiled.runner.decode_forward is not None
     calls = []
     real = compiled.runner.decode_forward
     compiled.runner.decode_forward = lambda *args: calls.append(args[0].shape[0]) or real(*args)
-    _requests(compiled)
     with torch._dynamo.config.patch(error_on_recompile=True):
+        _requests(compiled)
         got = _tokens_and_logprobs(run_to_completion(compiled))
+        _wide_batch(compiled)
+        got |= _tokens_and_logprobs(run_to_completion(compiled))
 
-    assert set(calls) >= {1, 2, 3, 4, 5}, calls  # decode steps of every batch size went through the graph
+    assert set(calls) >= {1, 2, 3, 4, 5, 40}, calls  # decode steps of every batch size went through the graph
     assert got.keys() == expected.keys()
     for request_id, (ids, lps) in expected.items():
         assert got[request_id][0] == ids, request_id

@@ -1,0 +1,122 @@
+"""The project's C++ CPU kernels: build, load, and the torch references they must match.
+
+Two ops in one library (`llm_cpu`), both fp32, AVX2 + FMA, threaded with torch's intra-op threads:
+- `llm_cpu::linear(x (M, K), weight (N, K), bias (N,)?, residual (M, N)?) -> (M, N)` (cpu_linear.cpp):
+  the matmuls of decode steps, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is faster: prefill).
+  Reference: `linear_ref`.
+- `llm_cpu::paged_decode(q (B, H, D), k_cache, v_cache (NB, BS, KVH, D), block_tables (B, max_blocks) int32,
+  seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
+  the paged cache. Reference: kernels.reference.paged_attention_decode_ref. `paged_attention_decode_cpu`
+  is the CPU decode entry point backend.attention dispatches to.
+
+`linear()` / `paged_decode()` return the op, or None where the library cannot run: a CPU without AVX2,
+no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
+
+Built with torch.utils.cpp_extension at first use into `$LLM_CACHE_DIR/cpu_kernels` (default
+`<repo>/.cache/cpu_kernels`): about 30 s once, then milliseconds per process (rebuilt when a source
+changes). `make test` and `make serve` build it up front (`python -m kernels.cpu_kernels`), so neither
+a test nor the Triton model's start waits for the compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("cpu_linear.cpp"), Path(__file__).with_name("cpu_paged_attention.cpp")]
+CpuLinear = Callable[..., torch.Tensor]
+# Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles (benchmarks/cpu_linear_bench.py).
+MAX_LINEAR_ROWS = 32
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("LLM_CACHE_DIR") or SOURCES[0].parents[1] / ".cache") / "cpu_kernels"
+
+
+_built: bool | None = None  # build()'s answer once known: a plain global, which torch.compile's tracing reads as a constant
+
+
+def build() -> bool:
+    """Builds (first call in any process) and loads the library; False, with the reason logged, where it cannot."""
+    global _built
+    if _built is None:
+        _built = _build()
+    return _built
+
+
+def _build() -> bool:
+    if os.environ.get("LLM_CPU_KERNELS", "1") == "0":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.info("no AVX2 on this CPU: the C++ CPU kernels are not built, torch runs instead")
+        return False
+    try:
+        _ensure_ninja_on_path()
+        from torch.utils.cpp_extension import load as build_extension
+
+        build_dir().mkdir(parents=True, exist_ok=True)
+        build_extension(name="llm_cpu_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir()),
+                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        is_python_module=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch paths, which are correct
+        logger.warning("C++ CPU kernels not built (%s: %s); torch runs instead", type(exc).__name__, exc)
+        return False
+    # Shapes for torch.compile's tracing.
+    torch.library.register_fake("llm_cpu::linear")(lambda x, weight, bias=None, residual=None:
+                                                   x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("llm_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
+    return True
+
+
+def linear() -> CpuLinear | None:
+    return torch.ops.llm_cpu.linear.default if build() else None
+
+
+def paged_decode() -> Callable[..., torch.Tensor] | None:
+    return torch.ops.llm_cpu.paged_decode.default if build() else None
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T (+ bias (N,)) (+ residual (M, N)) -> (M, N)."""
+    y = x @ weight.T  # (M, N)
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else y + residual
+
+
+def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               *, plan: reference.DecodePlan | None = None) -> torch.Tensor:
+    """paged_attention_decode_ref's contract (q (B, H, D) -> (B, H, D)): the C++ kernel for fp32 with
+    unit head_dim stride where it is built, the reference (with its `plan`) otherwise."""
+    op = paged_decode()
+    if op is None or q.dtype != torch.float32 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        planned = {} if plan is None else {"plan": plan}
+        return reference.paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **planned)
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape)
+    return op(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def _ensure_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the venv's ninja (requirements.txt) is not on it unless
+    the venv is activated."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_kernels`: build now (the Makefile does, before tests and serving)
+    logging.basicConfig(level=logging.INFO)
+    print("llm_cpu kernels", "ready" if build() else "unavailable: torch runs instead")

@@ -1,0 +1,212 @@
+"""The C++ CPU kernels (kernels/cpu_kernels.py) and the CPU fast paths of backend.llama.
+
+Every path must give what torch gives: the linear kernel against `linear_ref`, the decode attention
+kernel against kernels.reference.paged_attention_decode_ref, Linear's three CPU paths (kernel,
+split-bmm fallback, oneDNN) against F.linear, the CPU RMSNorm against F.rms_norm.
+fp32 sums in a different order: tolerances are a few ulps of the result's magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.llama import Linear, RMSNorm
+from kernels import cpu_kernels, reference
+
+kernel = cpu_kernels.linear()
+decode_kernel = cpu_kernels.paged_decode()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)")
+
+# (N, K): K with and without a multiple of 64 / 8 (the kernel's main loops and their tails), N below
+# the parallel grain (one thread) and above it, N not a multiple of the 3-row weight tiles.
+SHAPES = [(1, 8), (7, 13), (64, 576), (130, 1536), (1000, 70), (3, 1)]
+# M: one row (its own loop), 4-row tiles and their 1-3 row tails, the 3-weight-row tiles above 8 rows.
+ROWS = [1, 2, 3, 5, 8, 9, 14, 32]
+
+
+def test_kernels_are_built_on_avx2_machines():
+    # A machine that can run them and has a compiler must not silently fall back to the slower paths.
+    if os.environ.get("LLM_CPU_KERNELS") == "0":
+        pytest.skip("switched off with LLM_CPU_KERNELS=0")
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert kernel is not None and decode_kernel is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_matches_reference(M, N, K, with_bias, with_residual):
+    g = torch.Generator().manual_seed(M * 10**6 + N * 1000 + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    bias = torch.randn(N, generator=g) if with_bias else None
+    residual = torch.randn(M, N, generator=g) if with_residual else None
+    got = kernel(x, w, bias, residual)
+    assert got.shape == (M, N)
+    torch.testing.assert_close(got, cpu_kernels.linear_ref(x, w, bias, residual), rtol=1e-5, atol=1e-5 * K**0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 4, 12])
+def test_kernel_gives_the_same_result_on_any_thread_count(M):
+    x, w = torch.randn(M, 576), torch.randn(3072, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x, w)
+        torch.set_num_threads(2)
+        two = kernel(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # weight rows are split between threads, never a dot product
+
+
+@needs_kernel
+@pytest.mark.parametrize("case, message", [
+    (lambda: kernel(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8)), "float32"),
+    (lambda: kernel(torch.randn(2, 8, 1), torch.randn(4, 8)), r"\(M, K\)"),
+    (lambda: kernel(torch.randn(1, 8), torch.randn(8, 4).T), "contiguous"),
+    (lambda: kernel(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
+    (lambda: kernel(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
+    (lambda: kernel(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
+])
+def test_kernel_rejects_bad_input_with_a_clear_error(case, message):
+    with pytest.raises(RuntimeError, match=message):
+        case()
+
+
+def test_loader_honours_the_off_switch(monkeypatch):
+    monkeypatch.setenv("LLM_CPU_KERNELS", "0")
+    assert cpu_kernels._build() is False  # build() caches _build()'s answer: the switch is read once per process
+
+
+needs_decode_kernel = pytest.mark.skipif(decode_kernel is None, reason="the llm_cpu kernels could not be built here")
+
+
+def _paged_case(B, H, KVH, D, BS, seed, max_blocks=6, num_blocks=40, strided=False):
+    """Random caches (NaN in every slot no sequence owns, which must never be read), random block
+    tables of distinct blocks, ragged context lengths including 1 and a full table."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BS, KVH, D)
+    if strided:  # blocks apart in memory, unit head_dim stride: a view of a wider tensor
+        k_cache = torch.full((num_blocks, BS, KVH, D + 5), float("nan"))[..., :D]
+        v_cache = torch.full((num_blocks, BS, KVH, D + 5), float("nan"))[..., :D]
+    else:
+        k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    lens = torch.randint(1, max_blocks * BS + 1, (B,), generator=g, dtype=torch.int32)
+    lens[0], lens[-1] = 1, max_blocks * BS
+    tables = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).int()
+    for b in range(B):
+        for p in range(int(lens[b])):
+            block, off = int(tables[b, p // BS]), p % BS
+            k_cache[block, off] = torch.randn(KVH, D, generator=g)
+            v_cache[block, off] = torch.randn(KVH, D, generator=g)
+    q = torch.randn(B, H, D, generator=g)
+    return q, k_cache, v_cache, tables, lens
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("D", [64, 128, 20])  # 20: head_dim not a multiple of 8 (the scalar tails)
+@pytest.mark.parametrize("BS", [16, 32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_kernel_matches_reference(H, KVH, D, BS, strided):
+    q, k_cache, v_cache, tables, lens = _paged_case(B=5, H=H, KVH=KVH, D=D, BS=BS, seed=H * D + BS, strided=strided)
+    scale = D**-0.5
+    got = decode_kernel(q, k_cache, v_cache, tables, lens, scale)
+    want = reference.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale)
+    assert got.shape == (5, H, D) and torch.isfinite(got).all()  # no NaN slot was read
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_decode_kernel
+def test_decode_entry_point_falls_back_to_the_reference_off_fp32():
+    q, k_cache, v_cache, tables, lens = _paged_case(B=3, H=4, KVH=2, D=16, BS=16, seed=1)
+    q16, k16, v16 = q.half(), k_cache.half(), v_cache.half()
+    got = cpu_kernels.paged_attention_decode_cpu(q16, k16, v16, tables, lens, 0.25)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, reference.paged_attention_decode_ref(q16, k16, v16, tables, lens, 0.25))
+    empty = cpu_kernels.paged_attention_decode_cpu(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.25)
+    assert empty.shape == (0, 4, 16)
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(seq_lens=torch.tensor([0, 5, 5], dtype=torch.int32)), "outside"),
+    (lambda a: a.update(seq_lens=torch.tensor([97, 5, 5], dtype=torch.int32)), "outside"),
+    (lambda a: a["block_tables"].__setitem__((1, 0), 40), "not a cache block"),
+    (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
+    (lambda a: a.update(q=a["q"].double()), "float32"),
+    (lambda a: a.update(q=a["q"][:, :3]), "multiple"),
+])
+def test_decode_kernel_rejects_bad_input_with_a_clear_error(change, message):
+    q, k_cache, v_cache, tables, lens = _paged_case(B=3, H=4, KVH=2, D=16, BS=16, seed=2)
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables, "seq_lens": lens}
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        decode_kernel(args["q"], args["k_cache"], args["v_cache"], args["block_tables"], args["seq_lens"], 0.25)
+
+
+def _loaded_linear(K: int, N: int, bias: bool) -> Linear:
+    lin = Linear(K, N, bias)
+    with torch.inference_mode():
+        lin.load(torch.randn(N, K), torch.randn(N) if bias else None)
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows, path", [(1, "kernel"), (7, "kernel"), (cpu_kernels.MAX_LINEAR_ROWS, "kernel"),
+                                        (1, "split_bmm"), (7, "onednn"), (cpu_kernels.MAX_LINEAR_ROWS + 1, "onednn")])
+def test_linear_cpu_paths_match_f_linear(rows, path, bias, with_residual):
+    lin = _loaded_linear(576, 960, bias)
+    assert lin._kernel is kernel  # repack picks the kernel whenever it is there
+    if path == "kernel" and kernel is None:
+        pytest.skip("kernel not built")
+    if path in ("split_bmm", "onednn"):
+        lin._kernel = None  # what a machine without the kernel runs (and any machine above MAX_LINEAR_ROWS)
+    x, residual = torch.randn(rows, 576), torch.randn(rows, 960) if with_residual else None
+    with torch.inference_mode():
+        got = lin(x, residual)
+        want = F.linear(x, lin.weight, lin.bias) + (0 if residual is None else residual)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_uses_the_kernel_up_to_max_linear_rows_only(monkeypatch):
+    if kernel is None:
+        pytest.skip("kernel not built")
+    lin = _loaded_linear(64, 48, bias=False)
+    calls = []
+    lin._kernel = lambda x, *args: calls.append(x.shape[0]) or kernel(x, *args)
+    with torch.inference_mode():
+        for rows in (1, 2, cpu_kernels.MAX_LINEAR_ROWS, cpu_kernels.MAX_LINEAR_ROWS + 1, 200):
+            lin(torch.randn(rows, 64))
+    assert calls == [1, 2, cpu_kernels.MAX_LINEAR_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 2048])
+def test_rms_norm_cpu_path_matches_f_rms_norm(rows):
+    norm = RMSNorm(576, 1e-5)
+    with torch.inference_mode():
+        norm.load(torch.randn(576))
+    assert norm._scaled is not None  # CPU fp32: the hypot formulation runs
+    x = torch.randn(rows, 576) * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
+        tiny = torch.full((1, 576), 1e-4)  # where eps dominates mean(x^2)
+        torch.testing.assert_close(norm(tiny), F.rms_norm(tiny, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_off_cpu_fp32_uses_f_rms_norm():
+    norm = RMSNorm(8, 1e-6)
+    with torch.inference_mode():
+        norm.load(torch.ones(8))
+    norm.to(torch.float64)
+    assert norm._scaled is None
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-6))
