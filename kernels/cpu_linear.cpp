@@ -9,7 +9,7 @@
 //     arithmetic starts to count), so each weight row is read from memory once per call.
 // Output rows are split in contiguous ranges of weight rows over torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs it like every other op.
-// Built at first use by kernels/cpu_linear.py; benchmarks/cpu_linear_bench.py measures it.
+// Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
 
 #include <immintrin.h>
 
