@@ -17,14 +17,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_simd.h"
+
 namespace {
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
+using llm_cpu::horizontal_sum;
 
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
