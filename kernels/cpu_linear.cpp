@@ -5,8 +5,9 @@
 // matrices (1-7 MB) slowly: torch.mv at 7-8 GB/s, Linear's split bmm at 13-14, oneDNN's packed linear
 // (what several rows ran on) at 10. Here:
 //   - one row: the rows of W in memory order, 8 independent accumulators, 15-16.5 GB/s;
-//   - 2 and more rows: tiles of 4 x-rows by 1 weight row (by 3 weight rows above 8 x-rows, where the
-//     arithmetic starts to count), so each weight row is read from memory once per call.
+//   - 2 and more rows: tiles of 4 x-rows by 1 weight row (above 8 x-rows, where the arithmetic starts
+//     to count: 3 x-rows by 4 weight rows, their sums reduced 4 at a time), so each weight row is read
+//     from memory once per call.
 // Output rows are split in contiguous ranges of weight rows over torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs it like every other op.
 // Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
@@ -78,19 +79,29 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
     }
   }
   for (int i = 0; i < MB; ++i) {
+    float sums[NB];
+    if constexpr (NB == 4) {
+      // The 4 dot products of an x row reduced together (3 hadds), not one horizontal sum each.
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+      _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    } else {
+      for (int j = 0; j < NB; ++j) sums[j] = horizontal_sum(acc[i][j]);
+    }
     for (int j = 0; j < NB; ++j) {
-      float s = horizontal_sum(acc[i][j]);
+      float s = sums[j];
       for (int64_t t = k; t < K; ++t) s += p.W[(n0 + j) * K + t] * p.X[(m0 + i) * K + t];
       p.Y[(m0 + i) * p.N + n0 + j] = p.epilogue(s, m0 + i, n0 + j);
     }
   }
 }
 
-// All x rows times weight rows [n0, n0 + NB): 4 x rows at a time, then the 1-3 left.
+// All x rows times weight rows [n0, n0 + NB): MB x rows at a time (4 by 1 weight row, 3 by 4, which
+// fills the 16 vector registers), then the rows left.
 template <int NB>
 void weight_rows(const Problem& p, int64_t n0) {
+  constexpr int MB = NB == 1 ? 4 : 3;
   int64_t m = 0;
-  for (; m + 4 <= p.M; m += 4) tile<4, NB>(p, m, n0);
+  for (; m + MB <= p.M; m += MB) tile<MB, NB>(p, m, n0);
   switch (p.M - m) {
     case 3: tile<3, NB>(p, m, n0); break;
     case 2: tile<2, NB>(p, m, n0); break;
@@ -139,7 +150,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   } else if (M <= 8) {
     several_rows<1>(p);
   } else {
-    several_rows<3>(p);
+    several_rows<4>(p);
   }
   return y;
 }
