@@ -76,7 +76,8 @@ Attend = Callable[..., torch.Tensor]
 
 
 def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
-    """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA, torch references elsewhere.
+    """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA; on CPU the torch references,
+    but for decode (below).
 
     Looked up on every call (a few attribute reads) rather than bound at import, so tests can
     swap any of them with monkeypatch. On CPU, decode goes through cpu_kernels.paged_attention_decode_cpu:

@@ -101,8 +101,7 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     unit head_dim stride where it is built, the reference (with its `plan`) otherwise."""
     op = paged_decode()
     if op is None or q.dtype != torch.float32 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        planned = {} if plan is None else {"plan": plan}
-        return reference.paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **planned)
+        return reference.paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, plan=plan)
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     return op(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -81,9 +81,9 @@ def recorded(monkeypatch):
                          (reference, "paged_prefill_ref"), (cpu_kernels, "paged_attention_decode_cpu")):
         real = getattr(module, name)
 
-        def wrapper(*args, _real=real, _name=name):
+        def wrapper(*args, _real=real, _name=name, **kwargs):
             calls.append((_name, args))
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, wrapper)
     return calls
