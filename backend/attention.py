@@ -4,8 +4,9 @@ The batch holds T tokens of B sequences back to back, no padding. The first `num
 sequences are decodes (one token each, rows 0..num_decode_seqs-1); the rest are prefill chunks
 (any number of tokens, attending causally to their cached prefix and to themselves).
 
-`paged_attention` stores this step's K/V into the paged cache, then runs the decode kernel on the
-decode rows and the prefill kernel on the rest. On CUDA it calls the Triton kernels
+`rotate_and_store` applies the rotary embedding to this step's queries and keys and stores K/V into
+the paged cache (`store_kv`); `attend` then runs the decode kernel on the decode rows and the prefill
+kernel on the rest (`paged_attention` is store_kv + attend, for callers with rotated q, k, v). On CUDA it calls the Triton kernels
 (kernels.store_kv, kernels.paged_attention, kernels.paged_prefill, imported on first use so that
 CPU-only code never needs `triton`); on CPU it calls the torch references in kernels.reference,
 which are the CPU serving path, except decode, which runs the C++ kernel of kernels.cpu_kernels
@@ -92,6 +93,48 @@ def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
     return reference.store_kv_ref, cpu_kernels.paged_attention_decode_cpu, reference.paged_prefill_ref
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D), cos/sin (T, 1, D) as backend.llama.rope_tables gives them -> (T, heads, D)."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): (x2, x1)
+    return torch.addcmul(x * cos, rolled, sin)  # (T, heads, D)
+
+
+def rotate_and_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotary embedding of this step's queries and keys, and its keys and values into the paged cache.
+
+    qkv (T, (H + 2*KVH) * D) rows [q heads | k heads | v heads], cos/sin (T, 1, D) -> rotated q (T, H, D).
+    On CPU in fp32 one C++ op (kernels/cpu_layer_ops.cpp) where it is built; else torch, then store_kv.
+    """
+    H, KVH, D, T = num_heads, num_kv_heads, k_cache.shape[-1], qkv.shape[0]
+    ops = cpu_kernels.layer_ops_for(qkv, cos, sin, k_cache, v_cache)
+    if ops is not None:
+        return ops.rope_store_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, H, KVH)  # (T, H, D)
+    qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # (T, H + KVH, D) queries then keys
+    qk = apply_rope(qk, cos, sin)  # (T, H + KVH, D) rotated together: one pass for q and k
+    q, k = qk.split((H, KVH), dim=1)  # (T, H, D), (T, KVH, D)
+    v = qkv[:, (H + KVH) * D :].view(T, KVH, D)  # (T, KVH, D)
+    store_kv(k, v, k_cache, v_cache, meta)
+    return q
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """k, v (T, KVH, D) of this step's tokens into their slots (meta.slot_mapping; negative: skipped)."""
+    store = kernels_for(k.device)[0]
+    if meta.slots_all_valid:  # the CPU reference skips its per-layer check
+        store(k, v, k_cache, v_cache, meta.slot_mapping, all_slots_valid=True)
+    else:
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,12 +145,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Store k/v of this step's tokens, then attend. q (T, H, D), k/v (T, KVH, D) -> (T, H, D)."""
-    store_kv, decode, prefill = kernels_for(q.device)
-    if meta.slots_all_valid:  # the CPU reference skips its per-layer check
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots_valid=True)
-    else:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_kv(k, v, k_cache, v_cache, meta)
+    return attend(q, k_cache, v_cache, meta, scale)
 
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q (T, H, D) of this step's tokens, whose K/V are already stored -> attention output (T, H, D):
+    the decode kernel on the decode rows, the prefill kernel on the rest."""
+    _, decode, prefill = kernels_for(q.device)
     T, nd, B = q.shape[0], meta.num_decode_seqs, meta.num_seqs
     if meta.decode_plan is not None:  # the CPU reference takes the gather planned once per step
         decode = functools.partial(decode, plan=meta.decode_plan)

@@ -11,8 +11,8 @@ Architecture (Llama 2/3, SmolLM2; Qwen2 is the same plus q/k/v biases):
 - RMSNorm, no biases (except Qwen2's q/k/v), SwiGLU MLP.
 - Rotary position embeddings (RoPE) in the "rotate half" layout of HF transformers, base `rope_theta`,
   from a cos/sin table precomputed for every position.
-- Grouped-query attention: H query heads share KVH key/value heads (H % KVH == 0); attention reads
-  and writes the paged KV cache through backend.attention.paged_attention.
+- Grouped-query attention: H query heads share KVH key/value heads (H % KVH == 0); attention writes
+  and reads the paged KV cache through backend.attention (rotate_and_store, then attend).
 
 The batch is flattened: forward takes T tokens of several sequences back to back (no padding);
 `AttentionMetadata` says which rows belong to which sequence and where their K/V live.
@@ -20,7 +20,8 @@ The batch is flattened: forward takes T tokens of several sequences back to back
 Loading: `load_weights` takes HF Llama names (model.layers.0.self_attn.q_proj.weight, ...) and fuses
 q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32, `Linear`
 runs decode steps' matmuls (up to 32 rows) on the project's AVX2 kernel (kernels/cpu_linear.cpp) and
-prefill's through pre-packed oneDNN weights (see `Linear`).
+prefill's through pre-packed oneDNN weights (see `Linear`); the norms, rotary + cache store and
+silu * up run as one C++ op each (kernels/cpu_layer_ops.cpp) where those are built.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backend.attention import AttentionMetadata, paged_attention
+from backend.attention import AttentionMetadata, attend, rotate_and_store
 from kernels import cpu_kernels
 from kernels.cpu_kernels import CpuLinear
 
@@ -249,10 +250,10 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class RMSNorm(nn.Module):
     """x * weight / sqrt(mean(x^2) + eps) over the last dim (weights arrive through `load`).
 
-    On CPU in fp32 computed as (x * weight*sqrt(C)) / hypot(||x||, sqrt(C*eps)): the same value
-    (within 1 ulp-ish, 3e-7 relative), in four ops instead of the eight F.rms_norm dispatches on CPU,
-    2x faster for one row (the norms are ~5% of a batch-1 decode step otherwise). Elsewhere F.rms_norm
-    (one fused kernel on CUDA).
+    On CPU in fp32: the C++ op of kernels/cpu_layer_ops.cpp where it is built (7 us for one row);
+    without it, (x * weight*sqrt(C)) / hypot(||x||, sqrt(C*eps)): the same value (3e-7 relative) in
+    four ops instead of the eight F.rms_norm dispatches on CPU (19 vs 41 us for one row). Elsewhere,
+    and under torch.compile, F.rms_norm (one fused kernel on CUDA).
     """
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
@@ -280,6 +281,8 @@ class RMSNorm(nn.Module):
         """x (T, C) -> (T, C)."""
         if self._scaled is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if (ops := cpu_kernels.layer_ops_for(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)  # (T, C)
         weight, eps_norm = self._scaled
         return torch.div(x * weight, torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps_norm))
 
@@ -299,12 +302,6 @@ def rope_tables(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.T
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (P, D), (P, D)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D), cos/sin (T, 1, D) -> (T, heads, D)."""
-    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): (x2, x1)
-    return torch.addcmul(x * cos, rolled, sin)  # (T, heads, D)
-
-
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -316,13 +313,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states (T, C) -> residual + attention output (T, C)."""
-        T, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
+        T, H, D = x.shape[0], self.H, self.D
         qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
-        qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # (T, H + KVH, D) queries then keys
-        qk = apply_rope(qk, cos, sin)  # (T, H + KVH, D) rotated together: one pass for q and k
-        q, k = qk.split((H, KVH), dim=1)  # (T, H, D), (T, KVH, D)
-        v = qkv[:, (H + KVH) * D :].view(T, KVH, D)  # (T, KVH, D)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        q = rotate_and_store(qkv, cos, sin, kv_cache[0], kv_cache[1], meta, H, self.KVH)  # (T, H, D); K, V cached
+        o = attend(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
         return self.o_proj.forward(o.reshape(T, H * D), residual)  # (T, C)
 
 
@@ -335,7 +329,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states (T, C) -> residual + MLP output (T, C)."""
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)  # (T, F), (T, F)
+        gate_up = self.gate_up_proj.forward(x)  # (T, 2F)
+        if (ops := cpu_kernels.layer_ops_for(gate_up)) is not None:
+            return self.down_proj.forward(ops.silu_mul(gate_up), residual)  # (T, C)
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, F), (T, F)
         return self.down_proj.forward(F.silu(gate) * up, residual)  # (T, C)
 
 

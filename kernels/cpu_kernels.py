@@ -1,6 +1,6 @@
 """The project's C++ CPU kernels: build, load, and the torch references they must match.
 
-Two ops in one library (`llm_cpu`), both fp32, AVX2 + FMA, threaded with torch's intra-op threads:
+Ops in one library (`llm_cpu`), all fp32, AVX2 + FMA, threaded with torch's intra-op threads:
 - `llm_cpu::linear(x (M, K), weight (N, K), bias (N,)?, residual (M, N)?) -> (M, N)` (cpu_linear.cpp):
   the matmuls of decode steps, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is faster: prefill).
   Reference: `linear_ref`.
@@ -8,8 +8,11 @@ Two ops in one library (`llm_cpu`), both fp32, AVX2 + FMA, threaded with torch's
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
   the paged cache. Reference: kernels.reference.paged_attention_decode_ref. `paged_attention_decode_cpu`
   is the CPU decode entry point backend.attention dispatches to.
+- `llm_cpu::rms_norm`, `llm_cpu::rope_store_kv`, `llm_cpu::silu_mul` (cpu_layer_ops.cpp): a layer's
+  element-wise steps, one op each instead of ~40 small torch ops per layer. References: `rms_norm_ref`,
+  `rope_store_kv_ref`, `silu_mul_ref`.
 
-`linear()` / `paged_decode()` return the op, or None where the library cannot run: a CPU without AVX2,
+`linear()`, `paged_decode()` and `layer_ops()` return the ops, or None where the library cannot run: a CPU without AVX2,
 no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
 
 Built with torch.utils.cpp_extension at first use into `$LLM_CACHE_DIR/cpu_kernels` (default
@@ -24,15 +27,17 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("cpu_linear.cpp"), Path(__file__).with_name("cpu_paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
 # Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles (benchmarks/cpu_linear_bench.py).
 MAX_LINEAR_ROWS = 32
@@ -74,6 +79,10 @@ def _build() -> bool:
     torch.library.register_fake("llm_cpu::linear")(lambda x, weight, bias=None, residual=None:
                                                    x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("llm_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
+    torch.library.register_fake("llm_cpu::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
+    torch.library.register_fake("llm_cpu::rope_store_kv")(
+        lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1]))
+    torch.library.register_fake("llm_cpu::silu_mul")(lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     return True
 
 
@@ -83,6 +92,62 @@ def linear() -> CpuLinear | None:
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:
     return torch.ops.llm_cpu.paged_decode.default if build() else None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """cpu_layer_ops.cpp's ops (signatures: their references below)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    rope_store_kv: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+_layer_ops: LayerOps | None = None
+
+
+def layer_ops() -> LayerOps | None:
+    global _layer_ops
+    if _layer_ops is None and build():
+        ops = torch.ops.llm_cpu
+        _layer_ops = LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default)
+    return _layer_ops
+
+
+def layer_ops_for(*tensors: torch.Tensor) -> LayerOps | None:
+    """layer_ops() where every tensor is a contiguous CPU fp32 one, outside torch.compile's tracing
+    (a compiled graph fuses these steps itself); else None (the caller runs torch)."""
+    if torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return layer_ops()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, C), weight (C,) -> x * weight / sqrt(mean(x^2) + eps): (T, C)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rope_store_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv (T, (H + 2 KVH) * D) rows [q heads | k heads | v heads]; cos, sin (T, D) (sin signed as in
+    backend.llama.rope_tables); caches (NB, BS, KVH, D); slot_mapping (T,) int64.
+    Rotates q and k, stores k and v at their slots (negative: skipped) -> rotated q (T, H, D)."""
+    T, H, KVH, D = qkv.shape[0], num_heads, num_kv_heads, k_cache.shape[-1]
+    x = qkv.view(T, H + 2 * KVH, D)  # (T, heads, D)
+    cos, sin = cos.reshape(T, 1, D), sin.reshape(T, 1, D)
+    qk = x[:, : H + KVH]  # (T, H + KVH, D)
+    qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (T, H + KVH, D)
+    reference.store_kv_ref(qk[:, H:], x[:, H + KVH :], k_cache, v_cache, slot_mapping)
+    return qk[:, :H].contiguous()  # (T, H, D)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2F) -> silu(gate) * up (T, F)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -39,6 +39,30 @@ inline void axpy(float alpha, const float* x, float* y, int64_t D) {  // y += al
   for (; d < D; ++d) y[d] += alpha * x[d];
 }
 
+// s = softmax(s) over L scores, in place.
+inline void softmax(float* s, int64_t L) {
+  int64_t t = 0;
+  __m256 vm = _mm256_set1_ps(-INFINITY);
+  for (; t + 8 <= L; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+  float m = llm_cpu::horizontal_max(vm);
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  t = 0;
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = llm_cpu::exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmax));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = horizontal_sum(vsum);
+  for (; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+  const float inv = 1.f / sum;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  t = 0;
+  for (; t + 8 <= L; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
+  for (; t < L; ++t) s[t] *= inv;
+}
+
 // q (B, H, D); k_cache, v_cache (NB, BS, KVH, D) with unit stride on D; block_tables (B, max_blocks) int32;
 // seq_lens (B,) int32 -> (B, H, D)
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -96,15 +120,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
           }
         }
       }
-      for (int64_t i = 0; i < H; ++i) {
-        float* s = scores.data() + i * L;
-        float m = s[0];
-        for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
+      for (int64_t i = 0; i < H; ++i) softmax(scores.data() + i * L, L);
       float* o = op + b * H * D;  // (H, D)
       std::fill(o, o + H * D, 0.f);
       for (int64_t t = 0; t < L; ++t) {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backend import attention
-from backend.attention import AttentionMetadata, allocate_kv_caches, kernels_for, paged_attention
+from backend.attention import AttentionMetadata, allocate_kv_caches, apply_rope, kernels_for, paged_attention, rotate_and_store
 from kernels import cpu_kernels, reference
 
 H, KVH, D, BS = 4, 2, 8, 4
@@ -165,7 +165,7 @@ def test_paged_attention_runs_the_triton_set_when_on_cuda(fake_triton, monkeypat
     monkeypatch.setattr(attention, "kernels_for", as_if_cuda)
     q, k, v, kc, vc, meta = _batch([1, 5], [6, 5], num_decode=1)
     out = paged_attention(q, k, v, kc, vc, meta, 1 / math.sqrt(D))
-    assert seen_devices == [q.device]
+    assert seen_devices and set(seen_devices) == {q.device}  # looked up for q's device, by store and by attend
     assert calls == ["store_kv", "paged_attention_decode", "paged_prefill"]  # the fakes delegate to the references
     assert torch.allclose(out, _dense_attention(q, kc, vc, meta), atol=1e-5)
 
@@ -181,3 +181,28 @@ def test_metadata_checks_dtypes_and_is_frozen():
     with pytest.raises(AttributeError):
         meta.num_decode_seqs = 0  # type: ignore[misc]
     assert meta.prefill_query_start_loc.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rotate_and_store_on_cpu_runs_the_fused_op_where_built_and_torch_otherwise(fused, recorded, monkeypatch):
+    ops = cpu_kernels.layer_ops()
+    if fused and ops is None:
+        pytest.skip("the llm_cpu kernels could not be built here")
+    calls = []
+    if fused:
+        recording = types.SimpleNamespace(rope_store_kv=lambda *a: calls.append("rope_store_kv") or ops.rope_store_kv(*a))
+        monkeypatch.setattr(cpu_kernels, "layer_ops_for", lambda *tensors: recording)
+    else:
+        monkeypatch.setattr(cpu_kernels, "layer_ops_for", lambda *tensors: None)
+    q, k, v, kc, vc, meta = _batch([1, 3], [4, 3], num_decode=1)
+    T = q.shape[0]
+    qkv = torch.cat([q, k, v], dim=1).reshape(T, (H + 2 * KVH) * D)
+    g = torch.Generator().manual_seed(1)
+    cos, sin = torch.randn(T, 1, D, generator=g), torch.randn(T, 1, D, generator=g)
+    got = rotate_and_store(qkv, cos, sin, kc, vc, meta, H, KVH)
+    assert calls == (["rope_store_kv"] if fused else [])
+    assert [name for name, _ in recorded] == ([] if fused else ["store_kv_ref"])
+    torch.testing.assert_close(got, apply_rope(q, cos, sin))
+    slots = meta.slot_mapping
+    torch.testing.assert_close(kc.flatten(0, 1)[slots], apply_rope(k, cos, sin))
+    torch.testing.assert_close(vc.flatten(0, 1)[slots], v)

