@@ -7,7 +7,10 @@
 //   - one row: the rows of W in memory order, 8 independent accumulators, 15-16.5 GB/s;
 //   - 2 and more rows: tiles of 4 x-rows by 1 weight row (above 8 x-rows, where the arithmetic starts
 //     to count: 3 x-rows by 4 weight rows, their sums reduced 4 at a time), so each weight row is read
-//     from memory once per call.
+//     from memory once per call. At 5-16 x rows the first pass over a tile's weight rows also
+//     prefetches the next tile's, so their first pass does not wait on memory: 5-8 rows 15-19% faster,
+//     10-16 rows 3-7% (the two builds alternating in one process on cpu_linear_bench.py's workload); at 3 rows it measured
+//     slower, above 16 no better.
 // Output rows are split in contiguous ranges of weight rows over torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs it like every other op.
 // Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
@@ -61,16 +64,21 @@ void one_row(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+constexpr int64_t PREFETCH_ROWS[2] = {5, 16};
+
 // x rows [m0, m0 + MB) times weight rows [n0, n0 + NB): MB * NB accumulators, each loaded vector used
 // NB (x) or MB (weight) times.
 template <int MB, int NB>
-void tile(const Problem& p, int64_t m0, int64_t n0) {
+void tile(const Problem& p, int64_t m0, int64_t n0, const char* prefetch) {
   const int64_t K = p.K;
   __m256 acc[MB][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    if (prefetch) {  // NB * 32 bytes of the next NB weight rows per step: all of them over this pass
+      for (int j = 0; j < NB * 32; j += 64) _mm_prefetch(prefetch + k * NB * 4 + j, _MM_HINT_T0);
+    }
     __m256 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(p.W + (n0 + j) * K + k);
     for (int i = 0; i < MB; ++i) {
@@ -100,12 +108,16 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
 template <int NB>
 void weight_rows(const Problem& p, int64_t n0) {
   constexpr int MB = NB == 1 ? 4 : 3;
+  // The first pass over these weight rows pulls the next ones toward L1 meanwhile (see the top).
+  const bool prefetch = p.M >= PREFETCH_ROWS[0] && p.M <= PREFETCH_ROWS[1] && n0 + 2 * NB <= p.N;
+  const char* next = prefetch ? reinterpret_cast<const char*>(p.W + (n0 + NB) * p.K) : nullptr;
   int64_t m = 0;
-  for (; m + MB <= p.M; m += MB) tile<MB, NB>(p, m, n0);
+  for (; m + MB <= p.M; m += MB) tile<MB, NB>(p, m, n0, m == 0 ? next : nullptr);
+  const char* pf = m == 0 ? next : nullptr;
   switch (p.M - m) {
-    case 3: tile<3, NB>(p, m, n0); break;
-    case 2: tile<2, NB>(p, m, n0); break;
-    case 1: tile<1, NB>(p, m, n0); break;
+    case 3: tile<3, NB>(p, m, n0, pf); break;
+    case 2: tile<2, NB>(p, m, n0, pf); break;
+    case 1: tile<1, NB>(p, m, n0, pf); break;
     default: break;
   }
 }
