@@ -112,16 +112,42 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
       const int32_t* table = table_p + b * max_blocks;
       const float* qb = qp + b * H * D;  // (H, D): query heads h * G .. h * G + G - 1 use KV head h
       scores.assign(H * L, 0.f);          // (H, L)
-      for (int64_t t = 0; t < L; ++t) {
-        const float* k = kp + table[t / BS] * k_sb + (t % BS) * k_so;
-        for (int64_t h = 0; h < KVH; ++h) {
-          for (int64_t g = 0; g < G; ++g) {
-            scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, k + h * k_sh, D) * fscale;
+      // Positions walk block by block (a division per token costs more than its dot products).
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const float* kblock = kp + table[t0 / BS] * k_sb;
+        for (int64_t t = t0; t < std::min(L, t0 + BS); ++t) {
+          const float* k = kblock + (t - t0) * k_so;
+          for (int64_t h = 0; h < KVH; ++h) {
+            for (int64_t g = 0; g < G; ++g) {
+              scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, k + h * k_sh, D) * fscale;
+            }
           }
         }
       }
       for (int64_t i = 0; i < H; ++i) softmax(scores.data() + i * L, L);
       float* o = op + b * H * D;  // (H, D)
+      if (D % 64 == 0) {
+        // Each head's output 64 dims at a time in 8 registers over all positions: no store and reload
+        // of the output per position.
+        for (int64_t i = 0; i < H; ++i) {
+          const float* s = scores.data() + i * L;
+          const int64_t h_off = (i / G) * v_sh;
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            __m256 acc[8];
+            for (auto& a : acc) a = _mm256_setzero_ps();
+            for (int64_t t0 = 0; t0 < L; t0 += BS) {
+              const float* vblock = vp + table[t0 / BS] * v_sb + h_off + d0;
+              for (int64_t t = t0; t < std::min(L, t0 + BS); ++t) {
+                const float* v = vblock + (t - t0) * v_so;
+                const __m256 a = _mm256_set1_ps(s[t]);
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), acc[j]);
+              }
+            }
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + i * D + d0 + 8 * j, acc[j]);
+          }
+        }
+        continue;
+      }
       std::fill(o, o + H * D, 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const float* v = vp + table[t / BS] * v_sb + (t % BS) * v_so;
