@@ -6,11 +6,11 @@ sequences are decodes (one token each, rows 0..num_decode_seqs-1); the rest are 
 
 `rotate_and_store` applies the rotary embedding to this step's queries and keys and stores K/V into
 the paged cache (`store_kv`); `attend` then runs the decode kernel on the decode rows and the prefill
-kernel on the rest (`paged_attention` is store_kv + attend, for callers with rotated q, k, v). On CUDA it calls the Triton kernels
-(kernels.store_kv, kernels.paged_attention, kernels.paged_prefill, imported on first use so that
-CPU-only code never needs `triton`); on CPU it calls the torch references in kernels.reference,
-which are the CPU serving path, except decode, which runs the C++ kernel of kernels.cpu_kernels
-where that is built.
+kernel on the rest (`paged_attention` is store_kv + attend, for callers with rotated q, k, v).
+On CUDA these call the Triton kernels (kernels.store_kv, kernels.paged_attention,
+kernels.paged_prefill, imported on first use so that CPU-only code never needs `triton`); on CPU the
+torch references in kernels.reference, which are the CPU serving path, except where the C++ kernels
+of kernels.cpu_kernels are built: decode attention, and rotary + store in one op.
 
 KV cache of one layer: k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim);
 the slot of a token is block_id * block_size + offset_in_block.

@@ -251,9 +251,9 @@ class RMSNorm(nn.Module):
     """x * weight / sqrt(mean(x^2) + eps) over the last dim (weights arrive through `load`).
 
     On CPU in fp32: the C++ op of kernels/cpu_layer_ops.cpp where it is built (7 us for one row);
-    without it, (x * weight*sqrt(C)) / hypot(||x||, sqrt(C*eps)): the same value (3e-7 relative) in
-    four ops instead of the eight F.rms_norm dispatches on CPU (19 vs 41 us for one row). Elsewhere,
-    and under torch.compile, F.rms_norm (one fused kernel on CUDA).
+    without it, and under torch.compile, (x * weight*sqrt(C)) / hypot(||x||, sqrt(C*eps)): the same
+    value (3e-7 relative) in four ops instead of the eight F.rms_norm dispatches on CPU (19 vs 41 us for
+    one row). Elsewhere F.rms_norm (one fused kernel on CUDA).
     """
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
