@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import cpu_kernels, reference
+from kernels.reference import apply_rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +92,6 @@ def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
         return store, decode, prefill
     # Decode: the C++ kernel where it is built (and the dtype fp32), else the reference; see cpu_kernels.
     return reference.store_kv_ref, cpu_kernels.paged_attention_decode_cpu, reference.paged_prefill_ref
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D), cos/sin (T, 1, D) as backend.llama.rope_tables gives them -> (T, heads, D)."""
-    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): (x2, x1)
-    return torch.addcmul(x * cos, rolled, sin)  # (T, heads, D)
 
 
 def rotate_and_store(

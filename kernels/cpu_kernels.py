@@ -138,8 +138,7 @@ def rope_store_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     T, H, KVH, D = qkv.shape[0], num_heads, num_kv_heads, k_cache.shape[-1]
     x = qkv.view(T, H + 2 * KVH, D)  # (T, heads, D)
     cos, sin = cos.reshape(T, 1, D), sin.reshape(T, 1, D)
-    qk = x[:, : H + KVH]  # (T, H + KVH, D)
-    qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # (T, H + KVH, D)
+    qk = reference.apply_rope(x[:, : H + KVH], cos, sin)  # (T, H + KVH, D)
     reference.store_kv_ref(qk[:, H:], x[:, H + KVH :], k_cache, v_cache, slot_mapping)
     return qk[:, :H].contiguous()  # (T, H, D)
 

@@ -149,10 +149,13 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
         continue;
       }
       std::fill(o, o + H * D, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* v = vp + table[t / BS] * v_sb + (t % BS) * v_so;
-        for (int64_t h = 0; h < KVH; ++h) {
-          for (int64_t g = 0; g < G; ++g) axpy(scores[(h * G + g) * L + t], v + h * v_sh, o + (h * G + g) * D, D);
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const float* vblock = vp + table[t0 / BS] * v_sb;
+        for (int64_t t = t0; t < std::min(L, t0 + BS); ++t) {
+          const float* v = vblock + (t - t0) * v_so;
+          for (int64_t h = 0; h < KVH; ++h) {
+            for (int64_t g = 0; g < G; ++g) axpy(scores[(h * G + g) * L + t], v + h * v_sh, o + (h * G + g) * D, D);
+          }
         }
       }
     }

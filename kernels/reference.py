@@ -1,4 +1,5 @@
-"""Pure-torch references for the paged KV-cache kernels.
+"""Pure-torch references for the paged KV-cache kernels (and the rotary embedding applied before the
+store, which the model and the CPU rope + store op's reference share).
 
 These are both the ground truth the Triton kernels are tested against and the engine's CPU
 serving path, so they are vectorized where it matters (decode runs every step for every
@@ -16,6 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x (T, heads, D), cos/sin (T, 1, D) as backend.llama.rope_tables gives them
+    (sin's first half negated) -> x * cos + roll_half(x) * sin, (T, heads, D)."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): (x2, x1)
+    return torch.addcmul(x * cos, rolled, sin)  # (T, heads, D)
 
 
 def store_kv_ref(
