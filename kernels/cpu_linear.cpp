@@ -2,15 +2,16 @@
 //
 // Why kernels of our own: a decode step multiplies each weight matrix by one row per running sequence.
 // At 1-8 rows that is bound by reading the weights, and the library routines read SmolLM2's small
-// matrices (1-7 MB) slowly: torch.mv at 7-8 GB/s, Linear's split bmm at 13-14, oneDNN's packed linear
-// (what several rows ran on) at 10. Here:
-//   - one row: the rows of W in memory order, 8 independent accumulators, 15-16.5 GB/s;
-//   - 2 and more rows: tiles of 4 x-rows by 1 weight row (above 8 x-rows, where the arithmetic starts
-//     to count: 3 x-rows by 4 weight rows, their sums reduced 4 at a time), so each weight row is read
-//     from memory once per call. At 5-16 x rows the first pass over a tile's weight rows also
-//     prefetches the next tile's, so their first pass does not wait on memory: 5-8 rows 15-19% faster,
-//     10-16 rows 3-7% (the two builds alternating in one process on cpu_linear_bench.py's workload); at 3 rows it measured
-//     slower, above 16 no better.
+// matrices (1-7 MB) slowly (torch.mv, F.linear, oneDNN's packed linear: 11-15 GB/s where a 256 MB matrix
+// reads at 20-30). Here each thread reads its weight rows as several sequential streams far apart
+// (weight_rows below), and each tile multiplies MB x rows by NB weight rows held in registers:
+//   - one row: 1 x 8 (8 streams, 8 independent accumulators);
+//   - two rows: 2 x 4; three and more: 3 x 4 tiles, their sums reduced 4 at a time, the 1-2 rows left
+//     over in a smaller tile. The weight rows of a tile are read from memory once per call, then from L1
+//     for the other x rows.
+// Measured on cpu_linear_bench.py's workload (30 layers of SmolLM2 matrices, an Intel Xeon VM with
+// AVX-512, 2 threads, old and new builds alternating in one process): 1 row 30.7 -> 19.0 ms
+// (13.8 -> 22.4 GB/s), 2-4 rows 1.5x, 8 rows 1.23x, 16 rows 1.2x faster than adjacent rows in one stream.
 // Output rows are split in contiguous ranges of weight rows over torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs it like every other op.
 // Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
@@ -42,45 +43,20 @@ struct Problem {
   }
 };
 
-// One x row: y[n] for n in [n0, n1).
-void one_row(const Problem& p, int64_t n0, int64_t n1) {
-  const float* x = p.X;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* w = p.W + n * p.K;
-    // 8 accumulators: enough independent FMAs in flight that the loop waits on memory, not on FMA latency.
-    __m256 acc[8];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= p.K; k += 64) {
-      for (int i = 0; i < 8; ++i) {
-        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
-      }
-    }
-    for (; k + 8 <= p.K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc[0]);
-    for (int i = 1; i < 8; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
-    float s = horizontal_sum(acc[0]);
-    for (; k < p.K; ++k) s += w[k] * x[k];
-    p.Y[n] = p.epilogue(s, 0, n);
-  }
-}
-
-constexpr int64_t PREFETCH_ROWS[2] = {5, 16};
-
-// x rows [m0, m0 + MB) times weight rows [n0, n0 + NB): MB * NB accumulators, each loaded vector used
-// NB (x) or MB (weight) times.
+// x rows [m0, m0 + MB) times the NB weight rows n, n + S, ..., n + (NB - 1) S: MB * NB accumulators,
+// each loaded vector used NB (x) or MB (weight) times.
 template <int MB, int NB>
-void tile(const Problem& p, int64_t m0, int64_t n0, const char* prefetch) {
+void tile(const Problem& p, int64_t m0, int64_t n, int64_t S) {
   const int64_t K = p.K;
+  const float* w_rows[NB];
+  for (int j = 0; j < NB; ++j) w_rows[j] = p.W + (n + j * S) * K;
   __m256 acc[MB][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (prefetch) {  // NB * 32 bytes of the next NB weight rows per step: all of them over this pass
-      for (int j = 0; j < NB * 32; j += 64) _mm_prefetch(prefetch + k * NB * 4 + j, _MM_HINT_T0);
-    }
     __m256 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(p.W + (n0 + j) * K + k);
+    for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(w_rows[j] + k);
     for (int i = 0; i < MB; ++i) {
       const __m256 x = _mm256_loadu_ps(p.X + (m0 + i) * K + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(w[j], x, acc[i][j]);
@@ -97,38 +73,41 @@ void tile(const Problem& p, int64_t m0, int64_t n0, const char* prefetch) {
     }
     for (int j = 0; j < NB; ++j) {
       float s = sums[j];
-      for (int64_t t = k; t < K; ++t) s += p.W[(n0 + j) * K + t] * p.X[(m0 + i) * K + t];
-      p.Y[(m0 + i) * p.N + n0 + j] = p.epilogue(s, m0 + i, n0 + j);
+      for (int64_t t = k; t < K; ++t) s += w_rows[j][t] * p.X[(m0 + i) * K + t];
+      p.Y[(m0 + i) * p.N + n + j * S] = p.epilogue(s, m0 + i, n + j * S);
     }
   }
 }
 
-// All x rows times weight rows [n0, n0 + NB): MB x rows at a time (4 by 1 weight row, 3 by 4, which
-// fills the 16 vector registers), then the rows left.
-template <int NB>
-void weight_rows(const Problem& p, int64_t n0) {
-  constexpr int MB = NB == 1 ? 4 : 3;
-  // The first pass over these weight rows pulls the next ones toward L1 meanwhile (see the top).
-  const bool prefetch = p.M >= PREFETCH_ROWS[0] && p.M <= PREFETCH_ROWS[1] && n0 + 2 * NB <= p.N;
-  const char* next = prefetch ? reinterpret_cast<const char*>(p.W + (n0 + NB) * p.K) : nullptr;
+// All x rows, MB at a time, times the weight rows n, n + S, ..., n + (NB - 1) S.
+template <int MB, int NB>
+void all_x_rows(const Problem& p, int64_t n, int64_t S) {
   int64_t m = 0;
-  for (; m + MB <= p.M; m += MB) tile<MB, NB>(p, m, n0, m == 0 ? next : nullptr);
-  const char* pf = m == 0 ? next : nullptr;
-  switch (p.M - m) {
-    case 3: tile<3, NB>(p, m, n0, pf); break;
-    case 2: tile<2, NB>(p, m, n0, pf); break;
-    case 1: tile<1, NB>(p, m, n0, pf); break;
-    default: break;
+  for (; m + MB <= p.M; m += MB) tile<MB, NB>(p, m, n, S);
+  if constexpr (MB > 1) {
+    switch (p.M - m) {
+      case 2: tile<2, NB>(p, m, n, S); break;
+      case 1: tile<1, NB>(p, m, n, S); break;
+      default: break;
+    }
   }
 }
 
-template <int NB>
-void several_rows(const Problem& p) {
-  const int64_t blocks = p.N / NB;
-  at::parallel_for(0, blocks, 64 / NB, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) weight_rows<NB>(p, b * NB);
-  });
-  for (int64_t n = blocks * NB; n < p.N; ++n) weight_rows<1>(p, n);
+// One thread's weight rows [n0, n1), read as NB streams S rows apart (row i of stream j: n0 + j S + i),
+// so that NB sequential reads in distant pages are in flight at once: the weights come from memory
+// ~1.5x faster than one stream of adjacent rows (SmolLM2's rows are 2.3-6 KB, so a few adjacent rows
+// lie in the same one or two 4 KB pages, which the hardware prefetcher walks one at a time).
+template <int MB, int NB>
+void weight_rows(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t S = (n1 - n0) / NB;
+  for (int64_t i = 0; i < S; ++i) all_x_rows<MB, NB>(p, n0 + i, S);
+  for (int64_t n = n0 + NB * S; n < n1; ++n) all_x_rows<MB, 1>(p, n, 0);
+}
+
+template <int MB, int NB>
+void rows(const Problem& p) {
+  // A grain of 64 weight rows: a 576-row matrix still splits over 2 threads, and no thread gets a sliver.
+  at::parallel_for(0, p.N, 64, [&](int64_t begin, int64_t end) { weight_rows<MB, NB>(p, begin, end); });
 }
 
 void check_tensor(const at::Tensor& t, const char* name) {
@@ -157,12 +136,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
                   bias ? bias->const_data_ptr<float>() : nullptr,
                   residual ? residual->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), M, N, K};
   if (M == 1) {
-    // A grain of 64 rows: a 576-row matrix still splits over 2 threads, and no thread gets a sliver.
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { one_row(p, begin, end); });
-  } else if (M <= 8) {
-    several_rows<1>(p);
+    rows<1, 8>(p);
+  } else if (M == 2) {
+    rows<2, 4>(p);
   } else {
-    several_rows<4>(p);
+    rows<3, 4>(p);
   }
   return y;
 }

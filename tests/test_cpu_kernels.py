@@ -23,11 +23,11 @@ decode_kernel = cpu_kernels.paged_decode()
 layer_ops = cpu_kernels.layer_ops()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)")
 
-# (N, K): K with and without a multiple of 64 / 8 (the kernel's main loops and their tails), N below
-# the parallel grain (one thread) and above it, N not a multiple of the 3-row weight tiles.
+# (N, K): K with and without a multiple of 8 (the kernel's main loop and its tail), N below the parallel
+# grain (one thread) and above it, N fewer than the streams of a thread (1, 3, 7) or not a multiple of them.
 SHAPES = [(1, 8), (7, 13), (64, 576), (130, 1536), (1000, 70), (3, 1)]
-# M: one row (its own loop), 4-row tiles and their 1-3 row tails, the 3-weight-row tiles above 8 rows.
-ROWS = [1, 2, 3, 5, 8, 9, 14, 32]
+# M: one row (1 x 8 tiles), two (2 x 4), the 3 x 4 tiles and their 1-2 row tails.
+ROWS = [1, 2, 3, 4, 5, 8, 9, 14, 32]
 
 
 def test_kernels_are_built_on_avx2_machines():
