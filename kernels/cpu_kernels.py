@@ -37,7 +37,7 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
 # Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles (benchmarks/cpu_linear_bench.py).
 MAX_LINEAR_ROWS = 32
