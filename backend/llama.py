@@ -19,8 +19,8 @@ The batch is flattened: forward takes T tokens of several sequences back to back
 
 Loading: `load_weights` takes HF Llama names (model.layers.0.self_attn.q_proj.weight, ...) and fuses
 q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32, `Linear`
-runs decode steps' matmuls (up to 32 rows) on the project's AVX2 kernel (kernels/cpu_linear.cpp) and
-prefill's through pre-packed oneDNN weights (see `Linear`); the norms, rotary + cache store and
+runs matmuls of up to 160 rows (decode steps, short prefill chunks) on the project's kernel
+(kernels/cpu_linear.cpp) and longer prefills' through pre-packed oneDNN weights (see `Linear`); the norms, rotary + cache store and
 silu * up run as one C++ op each (kernels/cpu_layer_ops.cpp) where those are built.
 """
 
@@ -116,16 +116,18 @@ class LlamaConfig:
 class Linear(nn.Module):
     """y = x @ W.T (+ b), with two CPU fast paths for fp32 (weights arrive through `load`):
 
-    - up to cpu_kernels.MAX_LINEAR_ROWS rows (decode steps): the AVX2 kernel kernels/cpu_linear.cpp, bias and
-      residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one row's weights at
-      15-16.5 GB/s and is 1.5x faster than oneDNN at 2-4 rows, 1.1-1.2x at 8-32
-      (benchmarks/cpu_linear_bench.py). Where it could not be built, one row runs as a split bmm: W
-      viewed as (S, N/S, K) for S threads, one batched matmul, each thread streaming its own slice of
-      W (13-14 GB/s; plain F.linear / mv read 7-8 GB/s);
-    - more rows (prefill), or any rows without the kernel: W pre-packed for oneDNN (torch.ops.mkldnn,
+    - up to cpu_kernels.MAX_LINEAR_ROWS rows (decode steps, short prefill chunks): the kernel
+      kernels/cpu_linear.cpp (AVX2, and AVX-512 where the CPU has it) on a copy of W packed in 32-column
+      panels, bias and residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one row's weights at the machine's read
+      bandwidth and is faster than oneDNN up to ~150 rows (benchmarks/cpu_linear_bench.py; figures in
+      docs/kernels.md). Where it could not be built, one row runs as a split bmm: W viewed as (S, N/S, K)
+      for S threads, one batched matmul, each thread streaming its own slice of W (13-14 GB/s; plain
+      F.linear / mv read 7-8 GB/s);
+    - more rows (long prefills), or any rows without the kernel: W pre-packed for oneDNN (torch.ops.mkldnn,
       what torch.compile's CPU freezing uses), 1.5-2x the GFLOP/s of F.linear at 16-128 rows.
 
-    So on CPU the weight is held twice (plain + packed). `.to(...)` drops and rebuilds the packed copy.
+    So on CPU the weight is held three times (plain, panels, oneDNN's). `.to(...)` drops and rebuilds the
+    packed copies.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
@@ -136,6 +138,7 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None  # oneDNN layout of weight (CPU fp32 only)
         self._split: tuple[int, torch.Tensor] | None = None  # (threads, weight viewed as (S, N/S, K))
         self._kernel: CpuLinear | None = None  # kernels/cpu_linear.cpp, where it was built (CPU fp32 only)
+        self._panels: torch.Tensor | None = None  # weight packed for it: (ceil(N / 32), K, 32)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         assert weight.shape == self.weight.shape, f"weight {tuple(weight.shape)} != {tuple(self.weight.shape)}"
@@ -146,12 +149,13 @@ class Linear(nn.Module):
         self.repack()
 
     def repack(self) -> None:
-        """Rebuild the oneDNN copy after the weight changed (load, tying, .to())."""
+        """Rebuild the packed copies after the weight changed (load, tying, .to())."""
         w = self.weight
         packable = w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if packable else None
         self._split = None
         self._kernel = cpu_kernels.linear() if packable else None
+        self._panels = cpu_kernels.pack_linear_weight(w.detach()) if self._kernel is not None else None
         if packable:
             self._split_weight()
             _PACKED_WEIGHTS[w.data_ptr()] = self._packed
@@ -171,7 +175,7 @@ class Linear(nn.Module):
         # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
         if self._kernel is not None and (T == 1 or (not torch.compiler.is_compiling() and T <= cpu_kernels.MAX_LINEAR_ROWS)):
             residual = None if residual is None else residual.contiguous()
-            return self._kernel(x.contiguous(), self.weight, self.bias, residual)  # (T, N)
+            return self._kernel(x.contiguous(), self._panels, self.out_features, self.bias, residual)  # (T, N)
         if T == 1:
             return self._one_row(x, residual)  # (1, N)
         if torch.compiler.is_compiling():  # inductor cannot lower the oneDNN op itself: an opaque call
@@ -206,7 +210,7 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
-        self._packed, self._split, self._kernel = None, None, None
+        self._packed, self._split, self._kernel, self._panels = None, None, None, None
         super()._apply(fn, recurse)
         self.repack()
         return self

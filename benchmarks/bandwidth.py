@@ -21,7 +21,8 @@ def measure_read_bandwidth_gb_s(repeats: int = 10) -> dict[str, float]:
     reads = {"mv": lambda: torch.mv(w, x[0]), "sum": lambda: w.sum()}
     kernel = cpu_kernels.linear()
     if kernel is not None:
-        reads["kernel"] = lambda: kernel(x, w)
+        panels = cpu_kernels.pack_linear_weight(w)
+        reads["kernel"] = lambda: kernel(x, panels, w.shape[0])
     result = {}
     for name, read in reads.items():
         for _ in range(2):

@@ -7,7 +7,7 @@ of a pass, the weight bytes read per second and GFLOP/s. After each round, the m
 at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways alternate within each round, so drift
 hits all alike. The crossover where oneDNN overtakes the kernel sets kernels.cpu_kernels.MAX_LINEAR_ROWS.
 
-    .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 48] [--rounds 2]
+    .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 64 160 256] [--rounds 2]
 
 The last line is one JSON object: {way: {M: GB/s}} (median over rounds). Numbers, not tests.
 """
@@ -47,7 +47,7 @@ def ways(rows: int) -> dict[str, Way]:
     result: dict[str, Way] = {}
     kernel = cpu_kernels.linear()
     if kernel is not None:
-        result["kernel"] = (lambda w: w, lambda w, x: kernel(x, w))
+        result["kernel"] = (lambda w: (cpu_kernels.pack_linear_weight(w), w.shape[0]), lambda p, x: kernel(x, *p))
     result["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
                                lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     result["f_linear"] = (lambda w: w, lambda w, x: F.linear(x, w))
@@ -70,7 +70,7 @@ def time_pass(weights: list[list[torch.Tensor]], multiply, xs: dict[int, torch.T
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 160, 256])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="passes per way per round")
     args = parser.parse_args()

@@ -1,8 +1,10 @@
 """The project's C++ CPU kernels: build, load, and the torch references they must match.
 
-Ops in one library (`llm_cpu`), all fp32, AVX2 + FMA, threaded with torch's intra-op threads:
-- `llm_cpu::linear(x (M, K), weight (N, K), bias (N,)?, residual (M, N)?) -> (M, N)` (cpu_linear.cpp):
-  the matmuls of decode steps, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is faster: prefill).
+Ops in one library (`llm_cpu`), all fp32, AVX2 + FMA (the linear tiles AVX-512 where the CPU has it),
+threaded with torch's intra-op threads:
+- `llm_cpu::linear(x (M, K), packed_weight, n, bias (n,)?, residual (M, n)?) -> (M, n)` (cpu_linear.cpp):
+  the matmuls of decode steps, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is faster: prefill), with the
+  (n, K) weight packed once by `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`.
   Reference: `linear_ref`.
 - `llm_cpu::paged_decode(q (B, H, D), k_cache, v_cache (NB, BS, KVH, D), block_tables (B, max_blocks) int32,
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
@@ -39,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
-# Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles (benchmarks/cpu_linear_bench.py).
-MAX_LINEAR_ROWS = 32
+# Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles: on 6 layers of SmolLM2's
+# matrices (AVX-512, 2 threads) the kernel was 1.1-1.4x faster at 32-143 rows, 0.9x at 256 and 2048.
+MAX_LINEAR_ROWS = 160
 
 
 def build_dir() -> Path:
@@ -76,8 +79,8 @@ def _build() -> bool:
         logger.warning("C++ CPU kernels not built (%s: %s); torch runs instead", type(exc).__name__, exc)
         return False
     # Shapes for torch.compile's tracing.
-    torch.library.register_fake("llm_cpu::linear")(lambda x, weight, bias=None, residual=None:
-                                                   x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("llm_cpu::linear")(lambda x, packed_weight, n, bias=None, residual=None:
+                                                   x.new_empty(x.shape[0], n))
     torch.library.register_fake("llm_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("llm_cpu::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("llm_cpu::rope_store_kv")(
@@ -87,7 +90,13 @@ def _build() -> bool:
 
 
 def linear() -> CpuLinear | None:
+    """`llm_cpu::linear(x, packed_weight, n, bias=None, residual=None)`, or None where not built."""
     return torch.ops.llm_cpu.linear.default if build() else None
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) -> the (ceil(N / 32), K, 32) panels `linear()` takes (needs the library built)."""
+    return torch.ops.llm_cpu.pack_linear_weight(weight.contiguous())
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:

@@ -1,24 +1,18 @@
 // llm_cpu::linear: y = x @ W.T (+ bias) (+ residual) for a FEW rows x (decode batches), fp32, AVX2 + FMA,
 // and AVX-512 where the CPU has it (cpu_linear_avx512.cpp; the tiles themselves: cpu_linear_tiles.h).
+// llm_cpu::pack_linear_weight lays W out for it once, at load time: panels of 32 output columns.
 //
 // Why kernels of our own: a decode step multiplies each weight matrix by one row per running sequence.
-// At 1-8 rows that is bound by reading the weights, and the library routines read SmolLM2's small
+// At 1-4 rows that is bound by reading the weights, and the library routines read SmolLM2's small
 // matrices (1-7 MB) slowly (torch.mv, F.linear, oneDNN's packed linear: 11-15 GB/s where a 256 MB matrix
-// reads at 20-30). Here each thread reads its weight rows as several sequential streams far apart
-// (weight_rows below), and each tile multiplies MB x rows by NB weight rows held in registers:
-//   - one row: 1 x 8 (8 streams, 8 independent accumulators);
-//   - AVX2 (16 registers): two rows 2 x 4; three and more 3 x 4 tiles, the 1-2 rows left over in a
-//     smaller tile; AVX-512 (32 registers): up to 6 x 4, the x rows in passes of equal size;
-//   the sums reduced 4 at a time, in one order whatever the tile, so a row's result does not depend on
-//   the batch it is in. The weight rows of a tile are read from memory once per call, then from L1 for
-//   the other x rows.
+// reads at 20-30); at 8-32 rows by both the reading and the arithmetic, which must then overlap.
+// Here each panel is one sequential read (one row: 2-4 panels far apart at once, so several reads are in
+// flight), tiles of 2+ rows prefetch 4 KB ahead, and a tile keeps up to 12 (AVX-512) or 3 (AVX2) x rows
+// times 32 columns of sums in registers (see cpu_linear_tiles.h).
 // Measured on cpu_linear_bench.py's workload (30 layers of SmolLM2 matrices, an Intel Xeon VM with
-// AVX-512, 2 threads, old and new builds alternating in one process): 1 row 30.7 -> 19.0 ms
-// (13.8 -> 22.4 GB/s), 2-4 rows 1.5x, 8 rows 1.23x, 16 rows 1.2x faster than adjacent rows in one stream;
-// the AVX-512 tiles then 1.1-1.3x faster than the AVX2 ones from 5 rows up (16 rows: 49.7 -> 38.7 ms, where
-// oneDNN's AVX-512 GEMM takes 50.6).
-// Output rows are split in contiguous ranges of weight rows over torch's intra-op threads
-// (at::parallel_for), so torch.set_num_threads governs it like every other op.
+// AVX-512, 2 threads, old and new builds alternating in one process): see docs/kernels.md.
+// Output panels are split in contiguous ranges over torch's intra-op threads (at::parallel_for), so
+// torch.set_num_threads governs it like every other op.
 // Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
 
 #include <immintrin.h>
@@ -32,14 +26,14 @@
 #include "cpu_linear_tiles.h"
 
 namespace llm_cpu {
-void linear_rows_avx512(const LinearArgs& p, int64_t n0, int64_t n1);  // cpu_linear_avx512.cpp
+void linear_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);  // cpu_linear_avx512.cpp
 }
 
 namespace {
 
 using llm_cpu::Avx2;
 using llm_cpu::LinearArgs;
-using llm_cpu::weight_rows;
+using llm_cpu::kPanel;
 
 // Whether calls take the AVX-512 tiles: where the CPU has AVX-512, unless switched off (linear_use_avx512).
 bool cpu_has_avx512() {
@@ -48,28 +42,32 @@ bool cpu_has_avx512() {
 }
 std::atomic<bool> use_avx512{cpu_has_avx512()};
 
-void linear_rows_avx2(const LinearArgs& p, int64_t n0, int64_t n1) {
-  if (p.M == 1) {
-    weight_rows<Avx2, 1, 8>(p, n0, n1);
-  } else if (p.M == 2) {
-    weight_rows<Avx2, 2, 4>(p, n0, n1);
-  } else {
-    weight_rows<Avx2, 3, 4>(p, n0, n1);
-  }
-}
+void linear_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) { llm_cpu::panels<Avx2>(a, p0, p1); }
 
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// x (M, K), weight (N, K), bias (N,) or None, residual (M, N) or None -> (M, N)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+// weight (N, K) -> (ceil(N / 32), K, 32): panel p holds weight[32 p + c, k] at [p, k, c], zeros past N.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  check_tensor(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (N, K)");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = weight;
+  if (P * kPanel != N) padded = at::cat({weight, weight.new_zeros({P * kPanel - N, K})});
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();  // (P, K, 32)
+}
+
+// x (M, K), packed weight (P, K, 32) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual) {
   check_tensor(x, "x");
-  check_tensor(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x must be (M, K) and weight (N, K)");
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  check_tensor(packed, "packed weight");
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "the weight must be packed by pack_linear_weight: (P, K, 32)");
+  const int64_t M = x.size(0), K = packed.size(1), P = packed.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "n = ", N, " does not fit a packed weight of ", P, " panels");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, weight has ", K);
   if (bias) {
     check_tensor(*bias, "bias");
@@ -80,12 +78,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     TORCH_CHECK(residual->numel() == M * N, "residual must have ", M, " x ", N, " elements");
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  const LinearArgs p{weight.const_data_ptr<float>(), x.const_data_ptr<float>(),
+  const LinearArgs a{packed.const_data_ptr<float>(), x.const_data_ptr<float>(),
                      bias ? bias->const_data_ptr<float>() : nullptr,
                      residual ? residual->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), M, N, K};
-  const auto rows = use_avx512.load(std::memory_order_relaxed) ? llm_cpu::linear_rows_avx512 : linear_rows_avx2;
-  // A grain of 64 weight rows: a 576-row matrix still splits over 2 threads, and no thread gets a sliver.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { rows(p, begin, end); });
+  const auto run = use_avx512.load(std::memory_order_relaxed) ? llm_cpu::linear_panels_avx512 : linear_panels_avx2;
+  // A grain of 2 panels (64 columns): a 576-column matrix still splits over 2 threads, and no thread gets a sliver.
+  at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return y;
 }
 
@@ -99,8 +97,12 @@ bool linear_use_avx512(bool enable) {
 }  // namespace
 
 TORCH_LIBRARY(llm_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed_weight, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear_use_avx512(bool enable) -> bool", &linear_use_avx512);
 }
 
-TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) { m.impl("linear", linear); }
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("linear", linear);
+  m.impl("pack_linear_weight", pack_linear_weight);
+}

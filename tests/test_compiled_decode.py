@@ -31,8 +31,8 @@ def _requests(engine):
 
 
 def _wide_batch(engine):
-    """Then 40 short requests at once: decode steps of 40 sequences, more than the CPU linear kernel's
-    32 rows (kernels.cpu_kernels.MAX_LINEAR_ROWS), must not compile another graph either."""
+    """Then 40 short requests at once: decode steps of 40 sequences must not compile another graph either
+    (the batch >= 2 graph serves every batch size)."""
     for i in range(40):
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
         engine.add_request(engine.make_request(f"wide{i}", [300 + i, 7], params))

@@ -24,6 +24,11 @@ layer_ops = cpu_kernels.layer_ops()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)")
 
 
+def linear(x, w, bias=None, residual=None):
+    """The kernel on w (N, K), packed as Linear packs it."""
+    return kernel(x, cpu_kernels.pack_linear_weight(w), w.shape[0], bias, residual)
+
+
 @pytest.fixture(params=["avx2", "avx512"])
 def linear_isa(request):
     """The linear kernel's tiles for each instruction set this CPU has (AVX-512 ones only where it has it)."""
@@ -35,11 +40,11 @@ def linear_isa(request):
     yield request.param
     torch.ops.llm_cpu.linear_use_avx512(True)  # the default: on where the CPU has it
 
-# (N, K): K with and without a multiple of 8 (the kernel's main loop and its tail), N below the parallel
-# grain (one thread) and above it, N fewer than the streams of a thread (1, 3, 7) or not a multiple of them.
-SHAPES = [(1, 8), (7, 13), (64, 576), (130, 1536), (1000, 70), (3, 1)]
-# M: one row (1 x 8 tiles), two (2 x 4), the 3 x 4 tiles and their 1-2 row tails.
-ROWS = [1, 2, 3, 4, 5, 8, 9, 14, 32]
+# (N, K): N a multiple of the 32-column panel or not (a zero-padded last panel), fewer panels than a
+# thread's grain (one thread) or more, than the panels one row reads at once (2-4) or not a multiple of them.
+SHAPES = [(1, 8), (7, 13), (64, 576), (130, 1536), (1000, 70), (3, 1), (320, 33)]
+# M: one row (several panels at once), tiles of 2-12 rows (AVX-512) or 2-3 (AVX2), passes of equal size.
+ROWS = [1, 2, 3, 4, 5, 8, 9, 12, 13, 14, 25, 32]
 
 
 def test_kernels_are_built_on_avx2_machines():
@@ -59,43 +64,69 @@ def test_kernel_matches_reference(M, N, K, with_bias, with_residual, linear_isa)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     bias = torch.randn(N, generator=g) if with_bias else None
     residual = torch.randn(M, N, generator=g) if with_residual else None
-    got = kernel(x, w, bias, residual)
+    got = linear(x, w, bias, residual)
     assert got.shape == (M, N)
     torch.testing.assert_close(got, cpu_kernels.linear_ref(x, w, bias, residual), rtol=1e-5, atol=1e-5 * K**0.5)
 
 
 @pytest.mark.parametrize("M", [1, 4, 12])
 def test_kernel_gives_the_same_result_on_any_thread_count(M, linear_isa):
-    x, w = torch.randn(M, 576), torch.randn(3070, 576)  # 3070: some rows left over from the streams
+    x, w = torch.randn(M, 576), torch.randn(3070, 576)  # 3070: panels left over from the streams, a padded one
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(x, w)
+        one = linear(x, w)
         torch.set_num_threads(2)
-        two = kernel(x, w)
+        two = linear(x, w)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # weight rows are split between threads, never a dot product
+    assert torch.equal(one, two)  # weight panels are split between threads, never a sum
 
 
 @pytest.mark.parametrize("M", [2, 7, 13, 32])
 def test_kernel_row_results_do_not_depend_on_the_batch(M, linear_isa):
-    # Each dot product is accumulated and reduced in the same order in every tile, so a decode row gets
-    # the same logits alone as beside other sequences (seeded sampling does not drift with the batch).
-    x, w = torch.randn(M, 200), torch.randn(1001, 200)
-    together = kernel(x, w)
+    # Each output is one chain of FMAs over k in every tile, so a decode row gets the same logits alone
+    # as beside other sequences (seeded sampling does not drift with the batch).
+    x, w, b = torch.randn(M, 200), torch.randn(1001, 200), torch.randn(1001)
+    together = linear(x, w, b)
     for i in range(M):
-        assert torch.equal(kernel(x[i : i + 1], w), together[i : i + 1])
+        assert torch.equal(linear(x[i : i + 1], w, b), together[i : i + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 5, 13])
+def test_kernel_gives_the_same_bits_on_avx2_and_avx512(M):
+    if not torch.ops.llm_cpu.linear_use_avx512(True):
+        pytest.skip("no AVX-512 on this CPU")
+    x, w, b, r = torch.randn(M, 300), torch.randn(650, 300), torch.randn(650), torch.randn(M, 650)
+    try:
+        wide = linear(x, w, b, r)
+        torch.ops.llm_cpu.linear_use_avx512(False)
+        narrow = linear(x, w, b, r)
+    finally:
+        torch.ops.llm_cpu.linear_use_avx512(True)
+    assert torch.equal(wide, narrow)
+
+
+@needs_kernel
+def test_packed_weight_layout():
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # 40 columns: a full panel and 8 padded ones
+    p = cpu_kernels.pack_linear_weight(w)
+    assert p.shape == (2, 3, 32)
+    assert torch.equal(p[0], w[:32].T) and torch.equal(p[1, :, :8], w[32:].T)
+    assert not p[1, :, 8:].any()
 
 
 @needs_kernel
 @pytest.mark.parametrize("case, message", [
-    (lambda: kernel(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8)), "float32"),
-    (lambda: kernel(torch.randn(2, 8, 1), torch.randn(4, 8)), r"\(M, K\)"),
-    (lambda: kernel(torch.randn(1, 8), torch.randn(8, 4).T), "contiguous"),
-    (lambda: kernel(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
-    (lambda: kernel(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
-    (lambda: kernel(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
+    (lambda: linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8)), "float32"),
+    (lambda: linear(torch.randn(2, 8, 1), torch.randn(4, 8)), r"\(M, K\)"),
+    (lambda: kernel(torch.randn(1, 8), torch.randn(4, 8), 4), "packed"),
+    (lambda: kernel(torch.randn(1, 8), torch.randn(8, 2, 32).transpose(0, 1), 40), "contiguous"),
+    (lambda: kernel(torch.randn(1, 8), cpu_kernels.pack_linear_weight(torch.randn(4, 8)), 33), "n = 33"),
+    (lambda: linear(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
+    (lambda: linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
+    (lambda: linear(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
 ])
 def test_kernel_rejects_bad_input_with_a_clear_error(case, message):
     with pytest.raises(RuntimeError, match=message):
