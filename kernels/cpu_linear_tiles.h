@@ -140,8 +140,22 @@ constexpr int panels_at_once() {
   return n < 1 ? 1 : n > cap ? cap : n;
 }
 
-// One pass: all M (<= max_rows) x rows times the thread's panels [p0, p1), NP at once, S panels apart
-// (panel p0 + i + j S), the panels left over one at a time.
+// R x rows times panels [p0, p1), NP at once S panels apart (panel p0 + i + j S); the panels left over
+// NP / 2 at once, and so on down to 1 (SmolLM2's qkv gives a thread 15 panels: 8, 4, 2, 1 at once,
+// not 8 and then 7 single streams).
+template <class Vec, int R, int NP>
+void panels_by_streams(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const int64_t S = (p1 - p0) / NP;
+  for (int64_t i = 0; i < S; ++i) tile<Vec, R, NP>(a, 0, p0 + i, S);
+  if constexpr (NP > 1) {
+    panels_by_streams<Vec, R, NP / 2>(a, p0 + NP * S, p1);
+  } else {
+    (void)S;
+  }
+}
+
+// One pass: all M (<= max_rows) x rows times the thread's panels [p0, p1), as many at once as the
+// tile's registers allow.
 template <class Vec, int R = max_rows<Vec>>
 void one_pass(const LinearArgs& a, int64_t p0, int64_t p1) {
   if constexpr (R >= 1) {
@@ -149,10 +163,7 @@ void one_pass(const LinearArgs& a, int64_t p0, int64_t p1) {
       one_pass<Vec, R - 1>(a, p0, p1);
       return;
     }
-    constexpr int NP = panels_at_once<Vec, R>();
-    const int64_t S = (p1 - p0) / NP;
-    for (int64_t i = 0; i < S; ++i) tile<Vec, R, NP>(a, 0, p0 + i, S);
-    for (int64_t p = p0 + NP * S; p < p1; ++p) tile<Vec, R, 1>(a, 0, p, 0);
+    panels_by_streams<Vec, R, panels_at_once<Vec, R>()>(a, p0, p1);
   }
 }
 

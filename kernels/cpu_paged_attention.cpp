@@ -83,8 +83,15 @@ inline void softmax(float* s, int64_t L) {
 struct Cache {
   const float* k;
   const float* v;
-  int64_t k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS;
+  int64_t k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS, KVH, D;
 };
+
+// Asks for n cached positions' rows (all KV heads) from `block` on, a line at a time.
+inline void prefetch_rows(const float* block, int64_t n, int64_t row_stride, int64_t head_stride, int64_t KVH, int64_t D) {
+  const int64_t span = (KVH - 1) * head_stride + D;  // floats from a row's first head to its last one's end
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t f = 0; f < span; f += 16) _mm_prefetch(reinterpret_cast<const char*>(block + t * row_stride + f), _MM_HINT_T0);
+}
 
 // One sequence, for G (<= 4) query heads per KV head and D % 32 == 0 (SmolLM2: G = 3, D = 64): the G
 // heads of a KV head go through its K and V rows together, so each loaded row serves G heads. Against
@@ -101,6 +108,10 @@ void attend_grouped(const Cache& c, const int32_t* table, int64_t L, int64_t KVH
     for (int64_t t0 = 0; t0 < L; t0 += c.BS) {
       const float* k = c.k + table[t0 / c.BS] * c.k_sb + h * c.k_sh;
       const int64_t n = std::min(L - t0, c.BS);
+      if (h == 0) {  // the sequence's next K block and this V block, for all heads, on the first head's pass
+        if (t0 + c.BS < L) prefetch_rows(c.k + table[t0 / c.BS + 1] * c.k_sb, std::min(L - t0 - c.BS, c.BS), c.k_so, c.k_sh, c.KVH, c.D);
+        prefetch_rows(c.v + table[t0 / c.BS] * c.v_sb, n, c.v_so, c.v_sh, c.KVH, c.D);
+      }
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {  // 4 positions x G heads: 4G accumulators
         __m256 acc[G][4];
@@ -199,7 +210,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
       scores.assign(H * L, 0.f);          // (H, L)
       float* o = op + b * H * D;  // (H, D)
       if (D % 32 == 0 && G <= 4) {
-        const Cache c{kp, vp, k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS};
+        const Cache c{kp, vp, k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS, KVH, D};
         switch (G) {
           case 1: attend_grouped<1>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
           case 2: attend_grouped<2>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
