@@ -78,20 +78,21 @@ Attend = Callable[..., torch.Tensor]
 
 
 def kernels_for(device: torch.device) -> tuple[StoreKV, Attend, Attend]:
-    """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA; on CPU the torch references,
-    but for decode (below).
+    """(store_kv, decode, prefill) for tensors on `device`: Triton on CUDA; on CPU the torch reference for
+    store_kv, and for attention the C++ kernels where built.
 
     Looked up on every call (a few attribute reads) rather than bound at import, so tests can
-    swap any of them with monkeypatch. On CPU, decode goes through cpu_kernels.paged_attention_decode_cpu:
-    the C++ kernel (kernels/cpu_paged_attention.cpp) where it is built, the torch reference otherwise.
+    swap any of them with monkeypatch. On CPU, decode goes through cpu_kernels.paged_attention_decode_cpu
+    and prefill through cpu_kernels.paged_prefill_cpu: the C++ kernels (kernels/cpu_paged_attention.cpp,
+    cpu_paged_prefill.cpp) where they are built and apply, the torch references otherwise.
     """
     if device.type == "cuda":
         store = importlib.import_module("kernels.store_kv").store_kv
         decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
         prefill = importlib.import_module("kernels.paged_prefill").paged_prefill
         return store, decode, prefill
-    # Decode: the C++ kernel where it is built (and the dtype fp32), else the reference; see cpu_kernels.
-    return reference.store_kv_ref, cpu_kernels.paged_attention_decode_cpu, reference.paged_prefill_ref
+    # The C++ kernels where built (and the dtype fp32), else the references; see cpu_kernels.
+    return reference.store_kv_ref, cpu_kernels.paged_attention_decode_cpu, cpu_kernels.paged_prefill_cpu
 
 
 def rotate_and_store(

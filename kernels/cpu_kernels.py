@@ -10,11 +10,15 @@ threaded with torch's intra-op threads:
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
   the paged cache. Reference: kernels.reference.paged_attention_decode_ref. `paged_attention_decode_cpu`
   is the CPU decode entry point backend.attention dispatches to.
+- `llm_cpu::paged_prefill(q (T, H, D), k_cache, v_cache, block_tables (B, max_blocks) int32, query_start_loc
+  (B + 1,) int32, seq_lens (B,) int32, scale) -> (T, H, D)` (cpu_paged_prefill.cpp): ragged causal prefill
+  attention over cached prefix + new tokens, head_dim % 32 == 0. Reference: kernels.reference.paged_prefill_ref;
+  `paged_prefill_cpu` is the CPU prefill entry point.
 - `llm_cpu::rms_norm`, `llm_cpu::rope_store_kv`, `llm_cpu::silu_mul` (cpu_layer_ops.cpp): a layer's
   element-wise steps, one op each instead of ~40 small torch ops per layer. References: `rms_norm_ref`,
   `rope_store_kv_ref`, `silu_mul_ref`.
 
-`linear()`, `paged_decode()` and `layer_ops()` return the ops, or None where the library cannot run: a CPU without AVX2,
+`linear()`, `paged_decode()`, `paged_prefill()` and `layer_ops()` return the ops, or None where the library cannot run: a CPU without AVX2,
 no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
 
 Built with torch.utils.cpp_extension at first use into `$LLM_CACHE_DIR/cpu_kernels` (default
@@ -39,7 +43,8 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_paged_prefill.cpp",
+                                                        "cpu_layer_ops.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
 # Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles: on 6 layers of SmolLM2's
 # matrices (AVX-512, 2 threads) the kernel was 1.1-1.4x faster at 32-143 rows, 0.9x at 256 and 2048.
@@ -82,6 +87,7 @@ def _build() -> bool:
     torch.library.register_fake("llm_cpu::linear")(lambda x, packed_weight, n, bias=None, residual=None:
                                                    x.new_empty(x.shape[0], n))
     torch.library.register_fake("llm_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
+    torch.library.register_fake("llm_cpu::paged_prefill")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("llm_cpu::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("llm_cpu::rope_store_kv")(
         lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1]))
@@ -101,6 +107,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:
     return torch.ops.llm_cpu.paged_decode.default if build() else None
+
+
+def paged_prefill() -> Callable[..., torch.Tensor] | None:
+    return torch.ops.llm_cpu.paged_prefill.default if build() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +188,17 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     return op(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_prefill_ref's contract (q (T, H, D) -> (T, H, D)): the C++ kernel for fp32, head_dim % 32 == 0
+    and unit head_dim stride where it is built, the reference otherwise."""
+    op = paged_prefill()
+    if (op is None or q.dtype != torch.float32 or q.shape[-1] % 32 != 0 or k_cache.stride(-1) != 1
+            or v_cache.stride(-1) != 1):
+        return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
 
 
 def _ensure_ninja_on_path() -> None:

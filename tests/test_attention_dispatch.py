@@ -71,6 +71,9 @@ def _dense_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
 # CPU decode enters through cpu_kernels.paged_attention_decode_cpu, which runs the C++ kernel where it
 # is built and the reference otherwise.
 CPU_DECODE = ["paged_attention_decode_cpu"] + ([] if cpu_kernels.paged_decode() else ["paged_attention_decode_ref"])
+# CPU prefill likewise through cpu_kernels.paged_prefill_cpu (this test's head_dim is a multiple of 32 if
+# the kernel is to run).
+CPU_PREFILL = ["paged_prefill_cpu"] + ([] if cpu_kernels.paged_prefill() and D % 32 == 0 else ["paged_prefill_ref"])
 
 
 @pytest.fixture
@@ -78,7 +81,8 @@ def recorded(monkeypatch):
     """Wrap the three references and the CPU decode entry so each call is recorded (name, args) and still computed."""
     calls: list[tuple[str, tuple]] = []
     for module, name in ((reference, "store_kv_ref"), (reference, "paged_attention_decode_ref"),
-                         (reference, "paged_prefill_ref"), (cpu_kernels, "paged_attention_decode_cpu")):
+                         (reference, "paged_prefill_ref"), (cpu_kernels, "paged_attention_decode_cpu"),
+                         (cpu_kernels, "paged_prefill_cpu")):
         real = getattr(module, name)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
@@ -94,14 +98,14 @@ def test_cpu_mixed_batch_goes_to_the_cpu_kernels_split_at_num_decode(recorded):
     q, k, v, kc, vc, meta = _batch([1, 1, 3, 6], [5, 9, 7, 6], num_decode=2)
     out = paged_attention(q, k, v, kc, vc, meta, 1 / math.sqrt(D))
 
-    assert [name for name, _ in recorded] == ["store_kv_ref", *CPU_DECODE, "paged_prefill_ref"]
+    assert [name for name, _ in recorded] == ["store_kv_ref", *CPU_DECODE, *CPU_PREFILL]
     _, (sk, sv, skc, svc, slots) = recorded[0]
     assert sk is k and sv is v and skc is kc and svc is vc and slots is meta.slot_mapping
     _, (dq, _, _, dtables, dlens, dscale) = recorded[1]
     assert dq.shape == (2, H, D) and torch.equal(dq, q[:2])
     assert torch.equal(dtables, meta.block_tables[:2]) and dlens.tolist() == [5, 9]
     assert dscale == pytest.approx(1 / math.sqrt(D))
-    _, (pq, _, _, ptables, pqsl, plens, _) = recorded[-1]
+    _, (pq, _, _, ptables, pqsl, plens, _) = recorded[-len(CPU_PREFILL)]
     assert torch.equal(pq, q[2:]) and torch.equal(ptables, meta.block_tables[2:])
     assert pqsl.tolist() == [0, 3, 9] and plens.tolist() == [7, 6]  # rebased to the prefill rows
 
@@ -117,7 +121,7 @@ def test_cpu_decode_only_and_prefill_only_use_one_kernel(recorded):
     recorded.clear()
     q, k, v, kc, vc, meta = _batch([4, 9], [4, 12], num_decode=0)
     out = paged_attention(q, k, v, kc, vc, meta, 1 / math.sqrt(D))
-    assert [name for name, _ in recorded] == ["store_kv_ref", "paged_prefill_ref"]
+    assert [name for name, _ in recorded] == ["store_kv_ref", *CPU_PREFILL]
     assert recorded[1][1][4] is meta.query_start_loc
     assert torch.allclose(out, _dense_attention(q, kc, vc, meta), atol=1e-5)
 
@@ -149,7 +153,7 @@ def test_cuda_device_selects_the_triton_wrappers(fake_triton):
     assert kernels_for(torch.device("cpu")) == (
         reference.store_kv_ref,
         cpu_kernels.paged_attention_decode_cpu,
-        reference.paged_prefill_ref,
+        cpu_kernels.paged_prefill_cpu,
     )
 
 

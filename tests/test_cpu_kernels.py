@@ -205,6 +205,95 @@ def test_decode_kernel_rejects_bad_input_with_a_clear_error(change, message):
         decode_kernel(args["q"], args["k_cache"], args["v_cache"], args["block_tables"], args["seq_lens"], 0.25)
 
 
+prefill_kernel = cpu_kernels.paged_prefill()
+needs_prefill_kernel = pytest.mark.skipif(prefill_kernel is None, reason="the llm_cpu kernels could not be built here")
+
+
+def _prefill_case(H, KVH, D, BS, seed, strided=False):
+    """_paged_case's caches and tables, and new query rows per sequence: all of a short context, a chunk
+    after a cached prefix, one token after a long prefix, a whole table, and a sequence with no new rows
+    (as in a step that only decodes it elsewhere)."""
+    q_lens = [1, 7, 1, 96, 0, 40]
+    _, k_cache, v_cache, tables, lens = _paged_case(B=len(q_lens), H=H, KVH=KVH, D=D, BS=BS, seed=seed, strided=strided)
+    lens = lens.clone()
+    lens[:] = torch.tensor([1, 19, 95, 96, 50, 40], dtype=torch.int32).clamp(max=int(tables.shape[1]) * BS)
+    g = torch.Generator().manual_seed(seed + 1)
+    for b in range(len(q_lens)):  # fill every slot the new lengths own (the decode case filled fewer)
+        for p in range(int(lens[b])):
+            block, off = int(tables[b, p // BS]), p % BS
+            if torch.isnan(k_cache[block, off]).any():
+                k_cache[block, off] = torch.randn(KVH, D, generator=g)
+                v_cache[block, off] = torch.randn(KVH, D, generator=g)
+    q_lens = [min(n, int(L)) for n, L in zip(q_lens, lens)]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), H, D, generator=g)
+    return q, k_cache, v_cache, tables, qsl, lens
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("D", [64, 128, 32])
+@pytest.mark.parametrize("BS", [16, 32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_prefill_kernel_matches_reference(H, KVH, D, BS, strided):
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_case(H, KVH, D, BS, seed=H * D + BS, strided=strided)
+    scale = D**-0.5
+    got = prefill_kernel(q, k_cache, v_cache, tables, qsl, lens, scale)
+    want = reference.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, lens, scale)
+    assert got.shape == q.shape and torch.isfinite(got).all()  # no NaN slot was read
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("q_len, ctx", [(37, 50), (2, 2), (1, 33)])
+def test_prefill_kernel_splits_a_lone_sequence_in_chunks_of_rows(q_len, ctx, threads):
+    # One sequence, 3 KV heads: fewer (sequence, head) pairs than 4 per thread, so each head's rows are
+    # split over several tasks (up to as many as it has 3-row tiles).
+    g = torch.Generator().manual_seed(q_len * 100 + ctx)
+    k_cache, v_cache = torch.randn(8, 16, 3, 64, generator=g), torch.randn(8, 16, 3, 64, generator=g)
+    tables = torch.randperm(8, generator=g)[:4].view(1, 4).int()
+    q = torch.randn(q_len, 9, 64, generator=g)
+    qsl, lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = prefill_kernel(q, k_cache, v_cache, tables, qsl, lens, 0.125)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got, reference.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, lens, 0.125), rtol=1e-5, atol=2e-6)
+
+
+@needs_prefill_kernel
+def test_prefill_entry_point_runs_the_kernel_where_it_applies(monkeypatch):
+    calls = []
+    monkeypatch.setattr(reference, "paged_prefill_ref", lambda *a: calls.append(a[0].shape) or torch.zeros_like(a[0]))
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_case(9, 3, 64, 16, seed=3)
+    got = cpu_kernels.paged_prefill_cpu(q, k_cache, v_cache, tables, qsl, lens, 0.125)
+    assert not calls and got.abs().sum() > 0  # fp32, head_dim 64: the kernel
+    cpu_kernels.paged_prefill_cpu(q[..., :24].contiguous(), k_cache[..., :24], v_cache[..., :24], tables, qsl, lens, 0.2)
+    cpu_kernels.paged_prefill_cpu(q.half(), k_cache.half(), v_cache.half(), tables, qsl, lens, 0.125)
+    assert len(calls) == 2  # head_dim 24 and fp16: the reference
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(0)), "outside"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(10**4)), "outside"),
+    (lambda a: a["block_tables"].__setitem__((1, 0), 10**4), "not a cache block"),
+    (lambda a: a.update(query_start_loc=a["query_start_loc"] + 1), "from 0 to T"),
+    (lambda a: a.update(query_start_loc=a["query_start_loc"].long()), "int32"),
+    (lambda a: a.update(q=a["q"].double()), "float32"),
+    (lambda a: a.update(q=a["q"][..., :16], k_cache=a["k_cache"][..., :16], v_cache=a["v_cache"][..., :16]), "multiple of 32"),
+])
+def test_prefill_kernel_rejects_bad_input_with_a_clear_error(change, message):
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_case(4, 2, 32, 16, seed=4)
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables, "query_start_loc": qsl, "seq_lens": lens}
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        prefill_kernel(*args.values(), 0.25)
+
+
 def _loaded_linear(K: int, N: int, bias: bool) -> Linear:
     lin = Linear(K, N, bias)
     with torch.inference_mode():
