@@ -9,8 +9,8 @@ the paged cache (`store_kv`); `attend` then runs the decode kernel on the decode
 kernel on the rest (`paged_attention` is store_kv + attend, for callers with rotated q, k, v).
 On CUDA these call the Triton kernels (kernels.store_kv, kernels.paged_attention,
 kernels.paged_prefill, imported on first use so that CPU-only code never needs `triton`); on CPU the
-torch references in kernels.reference, which are the CPU serving path, except where the C++ kernels
-of kernels.cpu_kernels are built: decode attention, and rotary + store in one op.
+C++ kernels of kernels.cpu_kernels where they are built (decode and prefill attention, rotary + store
+in one op), else the torch references in kernels.reference.
 
 KV cache of one layer: k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim);
 the slot of a token is block_id * block_size + offset_in_block.
