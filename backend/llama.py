@@ -355,6 +355,16 @@ class Block(nn.Module):
         x = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta, residual=x)  # (T, C)
         return self.mlp.forward(self.post_attention_layernorm.forward(x), residual=x)  # (T, C)
 
+    def fused_forward(self, op, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """forward as one call of `op` = llm_cpu::decoder_layer (see LlamaForCausalLM._fused_layer): the
+        same C++ ops in the same order, without Python between them. x (T, C) -> (T, C)."""
+        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        return op(x, norm1.weight, norm1.eps, qkv._panels, qkv.out_features, qkv.bias, o._panels, o.out_features,
+                  norm2.weight, norm2.eps, gate_up._panels, gate_up.out_features, down._panels, down.out_features,
+                  cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                  attn.H, attn.KVH, attn.scale)  # (T, C)
+
 
 # For torch.compile (backend/compiled_decode.py): every layer runs the same graph, traced and compiled
 # once instead of 30 times. Eager mode calls Block.forward itself (the region's wrapper costs ~20 us).
@@ -399,10 +409,30 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # (T, C)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
+        if (fused := self._fused_layer(x, kv_caches, meta)) is not None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer.fused_forward(fused, x, cos, sin, kv_cache, meta)  # (T, C)
+            return self.norm.forward(x)  # (T, C)
         block_forward = _block_region if torch.compiler.is_compiling() else Block.forward
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = block_forward(layer, x, cos, sin, kv_cache, meta)  # (T, C)
         return self.norm.forward(x)  # (T, C)
+
+    def _fused_layer(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata):
+        """llm_cpu::decoder_layer where this step may take it, else None: eager, decode only, up to
+        MAX_LINEAR_ROWS rows, CPU fp32 with every op Block.forward would run in C++ there (packed
+        linears, the C++ norm, contiguous caches the decode kernel reads)."""
+        if torch.compiler.is_compiling() or meta.num_decode_seqs != meta.num_seqs or meta.decode_plan is not None:
+            return None
+        if x.shape[0] > cpu_kernels.MAX_LINEAR_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        first = self.layers[0]
+        if first.self_attn.qkv_proj._panels is None or first.input_layernorm._scaled is None:
+            return None
+        k_cache, v_cache = kv_caches[0]
+        if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        return cpu_kernels.decoder_layer()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, C) of the rows to sample from -> logits (S, V) in fp32.

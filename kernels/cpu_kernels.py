@@ -17,6 +17,8 @@ threaded with torch's intra-op threads:
 - `llm_cpu::rms_norm`, `llm_cpu::rope_store_kv`, `llm_cpu::silu_mul` (cpu_layer_ops.cpp): a layer's
   element-wise steps, one op each instead of ~40 small torch ops per layer. References: `rms_norm_ref`,
   `rope_store_kv_ref`, `silu_mul_ref`.
+- `llm_cpu::decoder_layer` (cpu_decoder_layer.cpp): a whole decoder layer of a decode-only step, the ops
+  above called from C++ in Block.forward's order (its reference: Block.forward itself).
 
 `linear()`, `paged_decode()`, `paged_prefill()` and `layer_ops()` return the ops, or None where the library cannot run: a CPU without AVX2,
 no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
@@ -44,7 +46,7 @@ from kernels import reference
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_paged_prefill.cpp",
-                                                        "cpu_layer_ops.cpp")]
+                                                        "cpu_layer_ops.cpp", "cpu_decoder_layer.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
 # Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles: on 6 layers of SmolLM2's
 # matrices (AVX-512, 2 threads) the kernel was 1.1-1.4x faster at 32-143 rows, 0.9x at 256 and 2048.
@@ -111,6 +113,11 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
 
 def paged_prefill() -> Callable[..., torch.Tensor] | None:
     return torch.ops.llm_cpu.paged_prefill.default if build() else None
+
+
+def decoder_layer() -> Callable[..., torch.Tensor] | None:
+    """`llm_cpu::decoder_layer` (cpu_decoder_layer.cpp; arguments: backend.llama.Block.fused_forward)."""
+    return torch.ops.llm_cpu.decoder_layer.default if build() else None
 
 
 @dataclass(frozen=True, slots=True)

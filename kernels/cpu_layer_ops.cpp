@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -161,6 +162,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace
+
+at::Tensor llm_cpu::ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor llm_cpu::ops::rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                                       at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t H, int64_t KVH) {
+  return ::rope_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, H, KVH);
+}
+at::Tensor llm_cpu::ops::silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

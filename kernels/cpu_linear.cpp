@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_linear_tiles.h"
+#include "cpu_ops.h"
 
 namespace llm_cpu {
 void linear_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);  // cpu_linear_avx512.cpp
@@ -97,6 +98,11 @@ bool linear_use_avx512(bool enable) {
 }
 
 }  // namespace
+
+at::Tensor llm_cpu::ops::linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  return ::linear(x, packed, n, bias, residual);
+}
 
 TORCH_LIBRARY(llm_cpu, m) {
   m.def("linear(Tensor x, Tensor packed_weight, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");

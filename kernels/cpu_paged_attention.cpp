@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -275,6 +276,11 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
 }
 
 }  // namespace
+
+at::Tensor llm_cpu::ops::paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  return ::paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
 
 TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");

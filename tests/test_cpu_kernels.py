@@ -441,3 +441,41 @@ def test_layer_ops_for_takes_contiguous_cpu_fp32_only():
     assert cpu_kernels.layer_ops_for(x) is layer_ops
     assert cpu_kernels.layer_ops_for(x, x.double()) is None
     assert cpu_kernels.layer_ops_for(x.t()) is None
+
+
+@pytest.mark.skipif(cpu_kernels.decoder_layer() is None, reason="the llm_cpu kernels could not be built here")
+@pytest.mark.parametrize("B", [1, 5])
+def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypatch):
+    # llm_cpu::decoder_layer runs Block.forward's C++ ops in the same order: the same bits, hidden
+    # states and cache writes alike.
+    from backend.attention import AttentionMetadata, allocate_kv_caches
+    from backend.llama import LlamaForCausalLM
+    from tests.engine_helpers import tiny_checkpoint
+
+    ck = tiny_checkpoint()
+    cfg = ck.config
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(ck.state_dict)
+    BS, nb = 8, 4
+    g = torch.Generator().manual_seed(B)
+    caches = [tuple(torch.randn(B * nb, BS, cfg.num_key_value_heads, cfg.head_dim, generator=g) for _ in range(2))
+              for _ in range(cfg.num_hidden_layers)]
+    tables = torch.randperm(B * nb, generator=g).view(B, nb).int()
+    lens = torch.randint(1, nb * BS, (B,), generator=g, dtype=torch.int32)  # this step's token included
+    pos = lens.long() - 1
+    slots = tables[torch.arange(B), (pos // BS)].long() * BS + pos % BS
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_seqs=B, block_tables=tables, seq_lens=lens,
+                             query_start_loc=torch.arange(B + 1, dtype=torch.int32))
+    ids = torch.randint(0, cfg.vocab_size, (B,), generator=g)
+    calls = []
+    real = cpu_kernels.decoder_layer()
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda: lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        fused_caches = [(k.clone(), v.clone()) for k, v in caches]
+        fused = model(ids, pos, fused_caches, meta)
+        assert len(calls) == cfg.num_hidden_layers  # the fused op did run, once per layer
+        monkeypatch.setattr(LlamaForCausalLM, "_fused_layer", lambda *a: None)
+        plain = model(ids, pos, caches, meta)
+    assert torch.equal(fused, plain)
+    for (fk, fv), (k, v) in zip(fused_caches, caches):
+        assert torch.equal(fk, k) and torch.equal(fv, v)
