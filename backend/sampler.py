@@ -42,6 +42,7 @@ from itertools import chain
 import torch
 
 from backend.types import MAX_LOGPROBS, SamplingParams
+from kernels import cpu_kernels
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
@@ -176,12 +177,20 @@ def _per_row(num_rows: int, row_ids: list[int], values: list[float], device: tor
 # ---------------------------------------------------------------- choosing the token
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (S, V) -> (S,) int64, as torch.argmax(dim=-1); on CPU fp32 the C++ op where built (torch's
+    reduction takes 1.5-2 ms for 12 rows of SmolLM2's 49152 logits, a few % of a decode step)."""
+    if (ops := cpu_kernels.layer_ops_for(logits)) is not None:
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """(S,) int64: argmax for greedy rows, a random draw for the others."""
     is_random = [row.params.temperature >= GREEDY_EPS for row in rows]
     random_rows = [i for i, r in enumerate(is_random) if r]
     if not random_rows:
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
     device = logits.device
     all_random = len(random_rows) == len(rows)
     sel = torch.tensor(random_rows, device=device)
@@ -193,7 +202,7 @@ def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         return drawn
     greedy_rows = torch.tensor([i for i, r in enumerate(is_random) if not r], device=device)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)  # (S,)
-    tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    tokens[greedy_rows] = _argmax(logits[greedy_rows])
     tokens[sel] = drawn
     return tokens
 

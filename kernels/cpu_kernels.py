@@ -16,7 +16,8 @@ threaded with torch's intra-op threads:
   `paged_prefill_cpu` is the CPU prefill entry point.
 - `llm_cpu::rms_norm`, `llm_cpu::rope_store_kv`, `llm_cpu::silu_mul` (cpu_layer_ops.cpp): a layer's
   element-wise steps, one op each instead of ~40 small torch ops per layer. References: `rms_norm_ref`,
-  `rope_store_kv_ref`, `silu_mul_ref`.
+  `rope_store_kv_ref`, `silu_mul_ref`. With them `llm_cpu::argmax_rows` (the sampler's greedy choice;
+  reference torch.argmax).
 - `llm_cpu::decoder_layer` (cpu_decoder_layer.cpp): a whole decoder layer of a decode-only step, the ops
   above called from C++ in Block.forward's order (its reference: Block.forward itself).
 
@@ -93,6 +94,7 @@ def _build() -> bool:
     torch.library.register_fake("llm_cpu::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("llm_cpu::rope_store_kv")(
         lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1]))
+    torch.library.register_fake("llm_cpu::argmax_rows")(lambda x: x.new_empty(x.shape[0], dtype=torch.int64))
     torch.library.register_fake("llm_cpu::silu_mul")(lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
     return True
 
@@ -127,6 +129,7 @@ class LayerOps:
     rms_norm: Callable[..., torch.Tensor]
     rope_store_kv: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
+    argmax_rows: Callable[..., torch.Tensor]  # reference: torch.argmax(x, dim=-1)
 
 
 _layer_ops: LayerOps | None = None
@@ -136,7 +139,8 @@ def layer_ops() -> LayerOps | None:
     global _layer_ops
     if _layer_ops is None and build():
         ops = torch.ops.llm_cpu
-        _layer_ops = LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default)
+        _layer_ops = LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default,
+                              ops.argmax_rows.default)
     return _layer_ops
 
 

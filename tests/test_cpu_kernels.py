@@ -479,3 +479,24 @@ def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypa
     assert torch.equal(fused, plain)
     for (fk, fv), (k, v) in zip(fused_caches, caches):
         assert torch.equal(fk, k) and torch.equal(fv, v)
+
+
+@pytest.mark.skipif(layer_ops is None, reason="the llm_cpu kernels could not be built here")
+@pytest.mark.parametrize("V", [1, 7, 8, 13, 49152])
+def test_argmax_rows_matches_torch_argmax(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g)
+    x[1] = torch.randint(0, 3, (V,), generator=g).float()  # ties: the first maximum wins
+    x[2] = float("-inf")
+    x[3, V // 2] = float("nan")  # a NaN is the maximum (torch's answer)
+    x[4, -1] = 100.0  # in the vector loop's scalar tail when V % 8 != 0
+    x[5, 0] = 100.0
+    x[6, V // 3 :] = float("nan")
+    x[7] = 0.0
+    got = layer_ops.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    assert layer_ops.argmax_rows(x[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        layer_ops.argmax_rows(x.double())
+    with pytest.raises(RuntimeError, match=r"\(S, V\)"):
+        layer_ops.argmax_rows(x[0])
