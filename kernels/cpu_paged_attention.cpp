@@ -109,9 +109,8 @@ void attend_grouped(const Cache& c, const int32_t* table, int64_t L, int64_t KVH
     for (int64_t t0 = 0; t0 < L; t0 += c.BS) {
       const float* k = c.k + table[t0 / c.BS] * c.k_sb + h * c.k_sh;
       const int64_t n = std::min(L - t0, c.BS);
-      if (h == 0) {  // the sequence's next K block and this V block, for all heads, on the first head's pass
-        if (t0 + c.BS < L) prefetch_rows(c.k + table[t0 / c.BS + 1] * c.k_sb, std::min(L - t0 - c.BS, c.BS), c.k_so, c.k_sh, c.KVH, c.D);
-        prefetch_rows(c.v + table[t0 / c.BS] * c.v_sb, n, c.v_so, c.v_sh, c.KVH, c.D);
+      if (h == 0 && t0 + c.BS < L) {  // the next K block, all heads, on the first head's pass
+        prefetch_rows(c.k + table[t0 / c.BS + 1] * c.k_sb, std::min(L - t0 - c.BS, c.BS), c.k_so, c.k_sh, c.KVH, c.D);
       }
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {  // 4 positions x G heads: 4G accumulators
