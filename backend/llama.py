@@ -20,8 +20,10 @@ The batch is flattened: forward takes T tokens of several sequences back to back
 Loading: `load_weights` takes HF Llama names (model.layers.0.self_attn.q_proj.weight, ...) and fuses
 q/k/v into one matrix and gate/up into one, so a layer runs 4 matmuls. On CPU in fp32, `Linear`
 runs matmuls of up to 160 rows (decode steps, short prefill chunks) on the project's kernel
-(kernels/cpu_linear.cpp) and longer prefills' through pre-packed oneDNN weights (see `Linear`); the norms, rotary + cache store and
-silu * up run as one C++ op each (kernels/cpu_layer_ops.cpp) where those are built.
+(kernels/cpu_linear.cpp) and longer prefills' through pre-packed oneDNN weights (see `Linear`); the
+norms, rotary + cache store and silu * up run as one C++ op each (kernels/cpu_layer_ops.cpp) where
+those are built, and in decode-only steps each layer is one C++ op that runs those same ops
+(`Block.fused_forward`, kernels/cpu_decoder_layer.cpp).
 """
 
 from __future__ import annotations
