@@ -13,13 +13,13 @@ table width), so two graphs serve every decode step: batch 1 (matrix-vector prod
 
 The matrix products stay opaque calls: batch 1 the project's kernel (kernels/cpu_linear.cpp, or the split
 bmm where it is not built), batch >= 2 the oneDNN linear (backend.llama.packed_linear: inductor cannot
-lower it; the kernel is not used there, as it serves only up to cpu_kernels.MAX_LINEAR_ROWS rows and the graph must
-not branch on the batch size). Inductor would fuse a plain one-row bmm into its own C++ loop, which reads the weights
-slower than MKL, hence split_matvec.
+lower it; the kernel is not used there, as it serves only up to cpu_kernels.MAX_LINEAR_ROWS rows and
+the graph must not branch on the batch size). Inductor would fuse a plain one-row bmm into its own C++
+loop, which reads the weights slower than MKL, hence split_matvec.
 
 Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
-on-disk cache). Hence off by default (`EngineConfig.compile`). On CPU it no longer pays: eager decode steps run each
-layer as one C++ op (backend.llama `Block.fused_forward`), which a traced graph does not take; in
+on-disk cache). Hence off by default (`EngineConfig.compile`). On CPU it no longer pays: eager decode
+steps run each layer as one C++ op (backend.llama `Block.fused_forward`), which a traced graph does not take; in
 `make bench-engine` the compiled engine trails eager (batch 1 25.7-40.1 vs 36.8-47.6 tok/s).
 """
 

@@ -120,11 +120,11 @@ class Linear(nn.Module):
 
     - up to cpu_kernels.MAX_LINEAR_ROWS rows (decode steps, short prefill chunks): the kernel
       kernels/cpu_linear.cpp (AVX2, and AVX-512 where the CPU has it) on a copy of W packed in 32-column
-      panels, bias and residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one row's weights at the machine's read
-      bandwidth and is faster than oneDNN up to ~150 rows (benchmarks/cpu_linear_bench.py; figures in
-      docs/kernels.md). Where it could not be built, one row runs as a split bmm: W viewed as (S, N/S, K)
-      for S threads, one batched matmul, each thread streaming its own slice of W (13-14 GB/s; plain
-      F.linear / mv read 7-8 GB/s);
+      panels, bias and residual added in its epilogue. On SmolLM2's matrices on 2 cores it reads one
+      row's weights at the machine's read bandwidth and is faster than oneDNN up to ~150 rows
+      (benchmarks/cpu_linear_bench.py; figures in docs/kernels.md). Where it could not be built, one
+      row runs as a split bmm: W viewed as (S, N/S, K) for S threads, one batched matmul, each thread
+      streaming its own slice of W (13-14 GB/s; plain F.linear / mv read 7-8 GB/s);
     - more rows (long prefills), or any rows without the kernel: W pre-packed for oneDNN (torch.ops.mkldnn,
       what torch.compile's CPU freezing uses), 1.5-2x the GFLOP/s of F.linear at 16-128 rows.
 
