@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -185,10 +186,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens_p[b];
     TORCH_CHECK(L >= 1 && L <= max_blocks * BS, "seq_lens[", b, "] = ", L, " is outside [1, ", max_blocks * BS, "]");
-    for (int64_t j = 0; j < (L + BS - 1) / BS; ++j) {
-      const int64_t block = table_p[b * max_blocks + j];
-      TORCH_CHECK(block >= 0 && block < NB, "block_tables[", b, ", ", j, "] = ", block, " is not a cache block");
-    }
+    llm_cpu::check_block_table(table_p, max_blocks, b, L, BS, NB);
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.const_data_ptr<float>();

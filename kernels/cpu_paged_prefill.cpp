@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -140,10 +141,7 @@ at::Tensor paged_prefill(const at::Tensor& q_in, const at::Tensor& k_cache, cons
     const int64_t q_len = qsl_p[b + 1] - qsl_p[b], L = lens_p[b];
     TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease");
     TORCH_CHECK(L >= q_len && L <= max_blocks * BS, "seq_lens[", b, "] = ", L, " is outside [", q_len, ", ", max_blocks * BS, "]");
-    for (int64_t j = 0; j < (L + BS - 1) / BS; ++j) {
-      const int64_t block = table_p[b * max_blocks + j];
-      TORCH_CHECK(block >= 0 && block < NB, "block_tables[", b, ", ", j, "] = ", block, " is not a cache block");
-    }
+    llm_cpu::check_block_table(table_p, max_blocks, b, L, BS, NB);
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.const_data_ptr<float>();
