@@ -20,7 +20,7 @@ loop, which reads the weights slower than MKL, hence split_matvec.
 Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
 on-disk cache). Hence off by default (`EngineConfig.compile`). On CPU it no longer pays: eager decode
 steps run each layer as one C++ op (backend.llama `Block.fused_forward`), which a traced graph does not take; in
-`make bench-engine` the compiled engine trails eager (batch 1 25.7-40.1 vs 36.8-47.6 tok/s).
+`make bench-engine` the compiled engine trails eager (batch 1 25.7-40.1 vs 36.7-47.6 tok/s).
 """
 
 from __future__ import annotations
