@@ -4,7 +4,8 @@ Ops in one library (`llm_cpu`), all fp32, AVX2 + FMA (the linear tiles AVX-512 w
 threaded with torch's intra-op threads:
 - `llm_cpu::linear(x (M, K), packed_weight, n, bias (n,)?, residual (M, n)?) -> (M, n)` (cpu_linear.cpp):
   the matmuls of decode steps and short prefill chunks, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is
-  faster: long prefills), with the (n, K) weight packed once by `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`.
+  faster: long prefills), with the (n, K) weight packed once by
+  `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`.
   Reference: `linear_ref`.
 - `llm_cpu::paged_decode(q (B, H, D), k_cache, v_cache (NB, BS, KVH, D), block_tables (B, max_blocks) int32,
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
