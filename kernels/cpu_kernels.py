@@ -23,8 +23,7 @@ threaded with torch's intra-op threads:
   above called from C++ in Block.forward's order (its reference: Block.forward itself).
 
 `linear()`, `paged_decode()`, `paged_prefill()` and `layer_ops()` return the ops, or None where the library
-cannot run: a CPU without AVX2,
-no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
+cannot run: a CPU without AVX2, no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
 
 Built with torch.utils.cpp_extension at first use into `$LLM_CACHE_DIR/cpu_kernels` (default
 `<repo>/.cache/cpu_kernels`): about 30 s once, then milliseconds per process (rebuilt when a source
