@@ -7,7 +7,7 @@
 // matrices (1-7 MB) slowly (torch.mv, F.linear, oneDNN's packed linear: 11-15 GB/s where a 256 MB matrix
 // reads at 20-30); at 8-160 rows by both the reading and the arithmetic, which must then overlap (up to
 // ~150 rows these tiles also beat oneDNN's GEMM: short prefill chunks run here too).
-// Here each panel is one sequential read, a tile takes several panels far apart at once where its
+// Here each panel is two sequential reads (even k, odd k), a tile takes several panels far apart at once where its
 // registers allow (one row: 8 AVX-512, 3 AVX2), so several reads are in flight, and prefetches 4 KB
 // ahead; it keeps up to 12 (AVX-512) or 3 (AVX2) x rows times 32 columns of sums in registers (see
 // cpu_linear_tiles.h).
@@ -52,14 +52,17 @@ void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// weight (N, K) -> (ceil(N / 32), K, 32): panel p holds weight[32 p + c, k] at [p, k, c], zeros past N.
+// weight (N, K) -> (ceil(N / 32), K, 32): panel p holds weight[32 p + c, k] at [p, r, c] with r = k / 2 for
+// even k and (K + 1) / 2 + k / 2 for odd k (llm_cpu::kHalves), zeros past N.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_tensor(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (N, K)");
+  static_assert(llm_cpu::kHalves == 2, "the order below is even k, then odd k");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   at::Tensor padded = weight;
   if (P * kPanel != N) padded = at::cat({weight, weight.new_zeros({P * kPanel - N, K})});
-  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();  // (P, K, 32)
+  const at::Tensor k_order = at::cat({at::arange(0, K, 2, at::kLong), at::arange(1, K, 2, at::kLong)});
+  return padded.view({P, kPanel, K}).transpose(1, 2).index_select(1, k_order).contiguous();  // (P, K, 32)
 }
 
 // x (M, K), packed weight (P, K, 32) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N)

@@ -2,12 +2,13 @@
 // compiles them for AVX2 and cpu_linear_avx512.cpp for AVX-512.
 //
 // The weight is packed in panels of 32 output columns: panel p holds W[32p .. 32p + 31, k] for every k as
-// K consecutive groups of 32 floats ((P, K, 32), the last panel zero-padded; pack_linear_weight). A tile
+// K groups of 32 floats, those of even k first, then those of odd k ((P, K, 32), the last panel
+// zero-padded; pack_linear_weight and kHalves below). A tile
 // multiplies MB x rows by a panel the outer-product way: per k, the panel's 32 weights are 2 (AVX-512)
 // or 4 (AVX2) vector loads, each x element one broadcast, and MB x 32 sums stay in registers, one
 // output column per lane. No horizontal sums at the end (the row-major "dot" tiles this replaced spent
 // a quarter of their time there and reached 40% of the FMA peak on weights in cache; these reach
-// 80-100%), and the weights are read as one sequential stream per panel.
+// 80-100%), and the weights are read as two sequential streams per panel.
 //
 // Every output element is one chain of FMAs over k = 0, 1, ..., K - 1, then + bias, then + residual,
 // whatever the tile, the batch, the thread split or the instruction set: a row's result never depends on
@@ -25,6 +26,13 @@
 namespace llm_cpu {
 
 constexpr int64_t kPanel = 32;  // output columns per weight panel
+
+// A panel's K rows of 32 weights are stored in two halves, even k then odd k, so that the tiles' walk
+// k = 0, 1, 2, ... (the summation order, unchanged) reads two sequential streams (K/2 rows apart) instead
+// of one: the hardware prefetchers keep two streams fuller. 30 layers of SmolLM2 matrices, 2 threads,
+// AVX-512 (C++ harness, both layouts alternating): 8-12 rows 11-15% faster, 4 rows ~7%, 1 row and
+// 143 rows the same. (Four quarters: no better than two.)
+constexpr int64_t kHalves = 2;
 
 // One call's operands, plain data so that both translation units can take it.
 struct LinearArgs {
@@ -108,20 +116,28 @@ void tile(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
   for (auto& row : acc)
     for (auto& panel : row)
       for (auto& v : panel) v = Vec::zero();
-  for (int64_t k = 0; k < K; ++k) {
+  // Step k reads slab row `row` (see kHalves): k = 2 kk from the even half, k = 2 kk + 1 from the odd one.
+  auto step = [&](int64_t k, int64_t row) __attribute__((always_inline)) {
+    const int64_t off = row * kPanel;
     for (int j = 0; j < NP; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + k * kPanel + kPrefetchFloats), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + k * kPanel + kPrefetchFloats + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + off + kPrefetchFloats), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + off + kPrefetchFloats + 16), _MM_HINT_T0);
     }
     V wv[NP][VP];
     for (int j = 0; j < NP; ++j)
-      for (int v = 0; v < VP; ++v) wv[j][v] = Vec::load(w[j] + k * kPanel + v * Vec::width);
+      for (int v = 0; v < VP; ++v) wv[j][v] = Vec::load(w[j] + off + v * Vec::width);
     for (int i = 0; i < MB; ++i) {
       const V xb = Vec::broadcast(x + i * K + k);
       for (int j = 0; j < NP; ++j)
         for (int v = 0; v < VP; ++v) acc[i][j][v] = Vec::fma(wv[j][v], xb, acc[i][j][v]);
     }
+  };
+  const int64_t odd_start = (K + 1) / 2;
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    step(2 * kk, kk);
+    step(2 * kk + 1, odd_start + kk);
   }
+  if (K % 2) step(K - 1, K / 2);
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NP; ++j) store_panel<Vec>(a, acc[i][j], m0 + i, p + j * S);
 }

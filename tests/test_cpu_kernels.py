@@ -110,10 +110,11 @@ def test_kernel_gives_the_same_bits_on_avx2_and_avx512(M):
 
 @needs_kernel
 def test_packed_weight_layout():
-    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # 40 columns: a full panel and 8 padded ones
+    w = torch.arange(40 * 5, dtype=torch.float32).view(40, 5)  # 40 columns: a full panel and 8 padded ones
     p = cpu_kernels.pack_linear_weight(w)
-    assert p.shape == (2, 3, 32)
-    assert torch.equal(p[0], w[:32].T) and torch.equal(p[1, :, :8], w[32:].T)
+    assert p.shape == (2, 5, 32)
+    k_order = [0, 2, 4, 1, 3]  # even k first, then odd k (two read streams per panel)
+    assert torch.equal(p[0], w[:32, k_order].T) and torch.equal(p[1, :, :8], w[32:, k_order].T)
     assert not p[1, :, 8:].any()
 
 
