@@ -146,19 +146,20 @@ void tile(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
 template <class Vec>
 constexpr int max_rows = Vec::accumulators / (kPanel / Vec::width);
 
-// Panels a tile of R rows takes at once: as many as its accumulators allow, at most 4 (one row: 8).
-// Several panels far apart are several sequential reads in flight; on the 30-layer workload (AVX-512,
-// 2 threads) 2 rows 4 panels 1.2x faster than 1 panel, 4 rows 3 panels 1.25x, 6 rows 2 panels 1.17x;
-// one row 8 panels ~ 4 (and the old 1 x 8 row tiles) > 2.
+// Panels a tile of R rows takes at once: as many as its accumulators allow, at most 4 (8 streams with
+// kHalves). Several panels far apart are several sequential reads in flight; on the 30-layer workload
+// (AVX-512, 2 threads, one stream per panel then) 2 rows 4 panels 1.2x faster than 1 panel, 4 rows 3
+// panels 1.25x, 6 rows 2 panels 1.17x; one row 8 panels ~ 4 > 2. With two streams per panel one row
+// takes 4 (8 panels: 3% slower).
 template <class Vec, int R>
 constexpr int panels_at_once() {
-  constexpr int n = max_rows<Vec> / R, cap = R == 1 ? 8 : 4;
+  constexpr int n = max_rows<Vec> / R, cap = 4;
   return n < 1 ? 1 : n > cap ? cap : n;
 }
 
 // R x rows times panels [p0, p1), NP at once S panels apart (panel p0 + i + j S); the panels left over
-// NP / 2 at once, and so on down to 1 (SmolLM2's qkv gives a thread 15 panels: 8, 4, 2, 1 at once,
-// not 8 and then 7 single streams).
+// NP / 2 at once, and so on down to 1 (SmolLM2's qkv gives a thread 15 panels: 3 x 4, then 2, then 1
+// at once, not 12 and then 3 single panels).
 template <class Vec, int R, int NP>
 void panels_by_streams(const LinearArgs& a, int64_t p0, int64_t p1) {
   const int64_t S = (p1 - p0) / NP;
