@@ -38,7 +38,8 @@ using llm_cpu::Avx2;
 using llm_cpu::LinearArgs;
 using llm_cpu::kPanel;
 
-// Whether calls take the AVX-512 tiles: where the CPU has AVX-512, unless switched off (linear_use_avx512).
+// Whether calls take the AVX-512 code (these tiles, paged_decode's path): where the CPU has AVX-512, unless
+// switched off (use_avx512).
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
@@ -93,14 +94,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   return y;
 }
 
-// Switches the AVX-512 tiles on or off (for tests and A/B runs); on only where the CPU has AVX-512.
-// Returns whether they are on now.
-bool linear_use_avx512(bool enable) {
+// Switches the AVX-512 code on or off (for tests and A/B runs); on only where the CPU has AVX-512.
+// Returns whether it is on now.
+bool use_avx512_op(bool enable) {
   use_avx512 = enable && cpu_has_avx512();
   return use_avx512;
 }
 
 }  // namespace
+
+bool llm_cpu::ops::avx512_on() { return use_avx512.load(std::memory_order_relaxed); }
 
 at::Tensor llm_cpu::ops::linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
@@ -110,7 +113,7 @@ at::Tensor llm_cpu::ops::linear(const at::Tensor& x, const at::Tensor& packed, i
 TORCH_LIBRARY(llm_cpu, m) {
   m.def("linear(Tensor x, Tensor packed_weight, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("linear_use_avx512(bool enable) -> bool", &linear_use_avx512);
+  m.def("use_avx512(bool enable) -> bool", &use_avx512_op);
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {

@@ -9,6 +9,7 @@
 namespace llm_cpu::ops {
 
 // cpu_linear.cpp
+bool avx512_on();  // whether the AVX-512 paths run: where the CPU has AVX-512, unless switched off (use_avx512)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual);
 // cpu_layer_ops.cpp

@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -19,6 +20,7 @@
 
 #include "cpu_ops.h"
 #include "cpu_paged_checks.h"
+#include "cpu_paged_decode_avx512.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -160,6 +162,24 @@ void attend_grouped(const Cache& c, const int32_t* table, int64_t L, int64_t KVH
   }
 }
 
+// Where T threads' ranges of the units u = b * KVH + h (sequence b's KV head h) start: contiguous ranges of
+// about equal work (a unit's work ~ its positions + a fixed cost), so that no thread waits long for the
+// other at the end. bounds[0] = 0, bounds[T] = B * KVH.
+std::vector<int64_t> balanced_ranges(const int32_t* lens, int64_t B, int64_t KVH, int64_t T) {
+  constexpr int64_t kUnitCost = 16;  // positions' worth of per-unit work (softmax setup, stores)
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += KVH * (lens[b] + kUnitCost);
+  std::vector<int64_t> bounds(T + 1, B * KVH);
+  bounds[0] = 0;
+  int64_t done = 0, i = 1;
+  for (int64_t u = 0; u < B * KVH; ++u) {
+    const int64_t w = lens[u / KVH] + kUnitCost;
+    while (i < T && (2 * done + w) * T >= 2 * i * total) bounds[i++] = u;  // u's middle is past i / T of the work
+    done += w;
+  }
+  return bounds;
+}
+
 // q (B, H, D); k_cache, v_cache (NB, BS, KVH, D) with unit stride on D; block_tables (B, max_blocks) int32;
 // seq_lens (B,) int32 -> (B, H, D)
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -196,6 +216,19 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
   const int64_t k_sb = k_cache.stride(0), k_so = k_cache.stride(1), k_sh = k_cache.stride(2);
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
+
+  if (llm_cpu::ops::avx512_on() && llm_cpu::decode_avx512_supports(G, D)) {
+    const llm_cpu::DecodeArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
+                                   k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
+    const int64_t T = std::min<int64_t>(at::get_num_threads(), B * KVH);
+    const std::vector<int64_t> bounds = balanced_ranges(lens_p, B, KVH, T);
+    const int64_t max_len = *std::max_element(lens_p, lens_p + B);
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(G * ((max_len + 15) / 16 * 16));
+      for (int64_t i = begin; i < end; ++i) llm_cpu::decode_units_avx512(args, bounds[i], bounds[i + 1], scores.data());
+    });
+    return out;
+  }
 
   // One task per sequence, all its heads together: each cached token's K (then V) rows of every KV
   // head are read at once, in memory order, instead of one head's slice per pass over the context.

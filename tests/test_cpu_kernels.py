@@ -30,15 +30,16 @@ def linear(x, w, bias=None, residual=None):
 
 
 @pytest.fixture(params=["avx2", "avx512"])
-def linear_isa(request):
-    """The linear kernel's tiles for each instruction set this CPU has (AVX-512 ones only where it has it)."""
+def isa(request):
+    """The kernels' code for each instruction set this CPU has (AVX-512: the linear tiles and the decode
+    attention path, only where it has it)."""
     if kernel is None:
         pytest.skip("kernel not built")
-    on = torch.ops.llm_cpu.linear_use_avx512(request.param == "avx512")
+    on = torch.ops.llm_cpu.use_avx512(request.param == "avx512")
     if request.param == "avx512" and not on:
         pytest.skip("no AVX-512 on this CPU")
     yield request.param
-    torch.ops.llm_cpu.linear_use_avx512(True)  # the default: on where the CPU has it
+    torch.ops.llm_cpu.use_avx512(True)  # the default: on where the CPU has it
 
 # (N, K): N a multiple of the 32-column panel or not (a zero-padded last panel), fewer panels than a
 # thread's grain (one thread) or more, than the panels one row reads at once (2-4) or not a multiple of them.
@@ -59,7 +60,7 @@ def test_kernels_are_built_on_avx2_machines():
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (False, True), (True, True)])
-def test_kernel_matches_reference(M, N, K, with_bias, with_residual, linear_isa):
+def test_kernel_matches_reference(M, N, K, with_bias, with_residual, isa):
     g = torch.Generator().manual_seed(M * 10**6 + N * 1000 + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     bias = torch.randn(N, generator=g) if with_bias else None
@@ -70,7 +71,7 @@ def test_kernel_matches_reference(M, N, K, with_bias, with_residual, linear_isa)
 
 
 @pytest.mark.parametrize("M", [1, 4, 12])
-def test_kernel_gives_the_same_result_on_any_thread_count(M, linear_isa):
+def test_kernel_gives_the_same_result_on_any_thread_count(M, isa):
     x, w = torch.randn(M, 576), torch.randn(3070, 576)  # 3070: panels left over from the streams, a padded one
     threads = torch.get_num_threads()
     try:
@@ -84,7 +85,7 @@ def test_kernel_gives_the_same_result_on_any_thread_count(M, linear_isa):
 
 
 @pytest.mark.parametrize("M", [2, 7, 13, 32])
-def test_kernel_row_results_do_not_depend_on_the_batch(M, linear_isa):
+def test_kernel_row_results_do_not_depend_on_the_batch(M, isa):
     # Each output is one chain of FMAs over k in every tile, so a decode row gets the same logits alone
     # as beside other sequences (seeded sampling does not drift with the batch).
     x, w, b = torch.randn(M, 200), torch.randn(1001, 200), torch.randn(1001)
@@ -96,15 +97,15 @@ def test_kernel_row_results_do_not_depend_on_the_batch(M, linear_isa):
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 5, 13])
 def test_kernel_gives_the_same_bits_on_avx2_and_avx512(M):
-    if not torch.ops.llm_cpu.linear_use_avx512(True):
+    if not torch.ops.llm_cpu.use_avx512(True):
         pytest.skip("no AVX-512 on this CPU")
     x, w, b, r = torch.randn(M, 300), torch.randn(650, 300), torch.randn(650), torch.randn(M, 650)
     try:
         wide = linear(x, w, b, r)
-        torch.ops.llm_cpu.linear_use_avx512(False)
+        torch.ops.llm_cpu.use_avx512(False)
         narrow = linear(x, w, b, r)
     finally:
-        torch.ops.llm_cpu.linear_use_avx512(True)
+        torch.ops.llm_cpu.use_avx512(True)
     assert torch.equal(wide, narrow)
 
 
@@ -165,11 +166,12 @@ def _paged_case(B, H, KVH, D, BS, seed, max_blocks=6, num_blocks=40, strided=Fal
 
 
 @needs_decode_kernel
-@pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
-@pytest.mark.parametrize("D", [64, 128, 24, 20])  # 24: 8-position dots, not the 64-wide V loop; 20: scalar tails
+@pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (8, 2), (16, 2)])  # GQA ratios 1, 3, 4, 8
+# 24: 8-position dots, not the 64-wide V loop; 20: scalar tails; AVX-512 takes D = 32 (G <= 8), 64 (G <= 4), 128 (G <= 2)
+@pytest.mark.parametrize("D", [64, 128, 32, 24, 20])
 @pytest.mark.parametrize("BS", [16, 32])
 @pytest.mark.parametrize("strided", [False, True])
-def test_decode_kernel_matches_reference(H, KVH, D, BS, strided):
+def test_decode_kernel_matches_reference(H, KVH, D, BS, strided, isa):
     q, k_cache, v_cache, tables, lens = _paged_case(B=5, H=H, KVH=KVH, D=D, BS=BS, seed=H * D + BS, strided=strided)
     scale = D**-0.5
     got = decode_kernel(q, k_cache, v_cache, tables, lens, scale)

@@ -1,0 +1,32 @@
+// The AVX-512 decode-attention path of llm_cpu::paged_decode (cpu_paged_attention.cpp calls it;
+// cpu_paged_attention_avx512.cpp implements it). Plain data only: the implementing file is compiled for
+// AVX-512 and includes nothing but the intrinsics and this header (see cpu_linear_tiles.h why).
+#pragma once
+
+#include <cstdint>
+
+namespace llm_cpu {
+
+// One paged_decode call's operands; strides in floats. Caches (NB, BS, KVH, D), unit stride on D.
+struct DecodeArgs {
+  const float* q;          // (B, H, D)
+  const float* k;          // key cache
+  const float* v;          // value cache
+  float* o;                // (B, H, D)
+  const int32_t* tables;   // (B, max_blocks)
+  const int32_t* lens;     // (B,)
+  int64_t max_blocks, H, KVH, D, BS;
+  int64_t k_sb, k_so, k_sh, v_sb, v_so, v_sh;
+  float scale;
+};
+
+// Whether decode_units_avx512 takes G query heads per KV head of dimension D.
+inline bool decode_avx512_supports(int64_t G, int64_t D) {
+  return (D == 32 && G >= 1 && G <= 8) || (D == 64 && G >= 1 && G <= 4) || (D == 128 && G >= 1 && G <= 2);
+}
+
+// Units u = b * KVH + h in [u0, u1): query heads h * G .. h * G + G - 1 of sequence b over its lens[b]
+// positions. scratch: G * (max lens rounded up to 16) floats.
+void decode_units_avx512(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch);
+
+}  // namespace llm_cpu
