@@ -9,8 +9,8 @@
 // ~150 rows these tiles also beat oneDNN's GEMM: short prefill chunks run here too).
 // Here each panel is two sequential reads (even k, odd k), a tile takes several panels far apart at
 // once where its registers allow (one row: 4 AVX-512, 3 AVX2), so several reads are in flight, and
-// prefetches 4 KB ahead; it keeps up to 12 (AVX-512) or 3 (AVX2) x rows times 32 columns of sums in registers (see
-// cpu_linear_tiles.h).
+// prefetches 4 KB ahead; it keeps up to 12 (AVX-512) or 3 (AVX2) x rows times 32 columns of sums in
+// registers (see cpu_linear_tiles.h).
 // Measured on cpu_linear_bench.py's workload (30 layers of SmolLM2 matrices, an Intel Xeon VM with
 // AVX-512, 2 threads, old and new builds alternating in one process): see docs/kernels.md.
 // Output panels are split in contiguous ranges over torch's intra-op threads (at::parallel_for), so

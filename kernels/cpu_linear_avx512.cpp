@@ -1,6 +1,6 @@
 // llm_cpu::linear's tiles for AVX-512 (see cpu_linear.cpp), called only where the CPU has it.
-// This file alone is compiled for AVX-512, by the pragma below (the build's flags are AVX2's), and it
-// includes nothing but the intrinsics and cpu_linear_tiles.h (see there why).
+// Compiled for AVX-512 (as is cpu_paged_attention_avx512.cpp) by the pragma below (the build's flags are
+// AVX2's); it includes nothing but the intrinsics and cpu_linear_tiles.h (see there why).
 #pragma GCC target("avx2,fma,avx512f")
 
 #define LLM_CPU_AVX512

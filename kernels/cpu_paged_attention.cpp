@@ -5,8 +5,10 @@
 // Exact softmax in two passes over a scores buffer (contexts on CPU are short enough to hold it).
 // Why not the torch reference: it gathers every context into a padded copy (two index_select) and runs
 // SDPA on tiny matrices: ~0.9 ms per layer at 16 sequences of ~140 tokens on the project's machine,
-// most of it copies and per-call overhead. Work is split over sequences with at::parallel_for. Built with cpu_linear.cpp by kernels/cpu_kernels.py; the reference it must match is
-// kernels.reference.paged_attention_decode_ref.
+// most of it copies and per-call overhead. Work is split over sequences with at::parallel_for. Where the
+// CPU has AVX-512 and the head shape fits, cpu_paged_attention_avx512.cpp runs instead, over (sequence,
+// KV head) units split by work. Built with cpu_linear.cpp by kernels/cpu_kernels.py; the reference it
+// must match is kernels.reference.paged_attention_decode_ref.
 
 #include <immintrin.h>
 
@@ -162,6 +164,11 @@ void attend_grouped(const Cache& c, const int32_t* table, int64_t L, int64_t KVH
   }
 }
 
+// The shapes decode_units_avx512 takes (cpu_paged_decode_avx512.h).
+bool avx512_path_takes(int64_t G, int64_t D) {
+  return (D == 32 && G >= 1 && G <= 8) || (D == 64 && G >= 1 && G <= 4) || (D == 128 && G >= 1 && G <= 2);
+}
+
 // Where T threads' ranges of the units u = b * KVH + h (sequence b's KV head h) start: contiguous ranges of
 // about equal work (a unit's work ~ its positions + a fixed cost), so that no thread waits long for the
 // other at the end. bounds[0] = 0, bounds[T] = B * KVH.
@@ -217,7 +224,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
 
-  if (llm_cpu::ops::avx512_on() && llm_cpu::decode_avx512_supports(G, D)) {
+  if (llm_cpu::ops::avx512_on() && avx512_path_takes(G, D)) {
     const llm_cpu::DecodeArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
                                    k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
     const int64_t T = std::min<int64_t>(at::get_num_threads(), B * KVH);

@@ -1,9 +1,9 @@
 // llm_cpu::paged_decode's AVX-512 path (cpu_paged_attention.cpp calls it where the CPU has AVX-512).
-// This file alone is compiled for AVX-512, by the pragma below, and includes nothing but the intrinsics
-// and plain headers (see cpu_linear_tiles.h why: no std templates either).
+// Compiled for AVX-512 (as is cpu_linear_avx512.cpp) by the pragma below; it includes nothing but the
+// intrinsics and plain headers, and uses no std templates (see cpu_linear_tiles.h why).
 //
 // A unit is one sequence's KV head h with its G query heads (G * D / 16 + D / 16 vectors fit in
-// registers: see decode_avx512_supports). Per unit, three passes over its cached positions:
+// registers: see cpu_paged_decode_avx512.h). Per unit, three passes over its cached positions:
 //   scores: 16 positions x 1 query head at a time, each position's D-dim dot product in one register
 //     (D / 16 FMAs), the 16 sums then transposed into one register (30 shuffles, 15 adds) and stored;
 //   softmax over the G score rows (max, exp, sum, all 16 wide);

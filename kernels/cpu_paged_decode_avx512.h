@@ -20,11 +20,8 @@ struct DecodeArgs {
   float scale;
 };
 
-// Whether decode_units_avx512 takes G query heads per KV head of dimension D.
-inline bool decode_avx512_supports(int64_t G, int64_t D) {
-  return (D == 32 && G >= 1 && G <= 8) || (D == 64 && G >= 1 && G <= 4) || (D == 128 && G >= 1 && G <= 2);
-}
-
+// Takes G query heads per KV head of dimension D = 32 with G <= 8, 64 with G <= 4, or 128 with G <= 2
+// (G x D / 16 accumulators and D / 16 V rows in registers); the caller checks (cpu_paged_attention.cpp).
 // Units u = b * KVH + h in [u0, u1): query heads h * G .. h * G + G - 1 of sequence b over its lens[b]
 // positions. scratch: G * (max lens rounded up to 16) floats.
 void decode_units_avx512(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch);
