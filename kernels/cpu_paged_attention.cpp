@@ -85,13 +85,6 @@ inline void softmax(float* s, int64_t L) {
   for (; t < L; ++t) s[t] *= inv;
 }
 
-// The paged cache as one sequence's attention walks it (strides in floats).
-struct Cache {
-  const float* k;
-  const float* v;
-  int64_t k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS, KVH, D;
-};
-
 // Asks for n cached positions' rows (all KV heads) from `block` on, a line at a time.
 inline void prefetch_rows(const float* block, int64_t n, int64_t row_stride, int64_t head_stride, int64_t KVH, int64_t D) {
   const int64_t span = (KVH - 1) * head_stride + D;  // floats from a row's first head to its last one's end
@@ -105,7 +98,7 @@ inline void prefetch_rows(const float* block, int64_t n, int64_t row_stride, int
 // the same (219 us per layer both; there the caches' 4 MB no longer fit in L2 and reading them bounds it).
 //   q (H, D), scores (H, L) scratch, o (H, D).
 template <int G>
-void attend_grouped(const Cache& c, const int32_t* table, int64_t L, int64_t KVH, int64_t D, float scale,
+void attend_grouped(const llm_cpu::DecodeArgs& c, const int32_t* table, int64_t L, int64_t KVH, int64_t D, float scale,
                     const float* q, float* scores, float* o) {
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t h = 0; h < KVH; ++h) {
@@ -223,10 +216,10 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
   const int64_t k_sb = k_cache.stride(0), k_so = k_cache.stride(1), k_sh = k_cache.stride(2);
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
+  const llm_cpu::DecodeArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
+                                 k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
 
   if (llm_cpu::ops::avx512_on() && avx512_path_takes(G, D)) {
-    const llm_cpu::DecodeArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
-                                   k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
     const int64_t T = std::min<int64_t>(at::get_num_threads(), B * KVH);
     const std::vector<int64_t> bounds = balanced_ranges(lens_p, B, KVH, T);
     const int64_t max_len = *std::max_element(lens_p, lens_p + B);
@@ -248,12 +241,11 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
       scores.assign(H * L, 0.f);          // (H, L)
       float* o = op + b * H * D;  // (H, D)
       if (D % 32 == 0 && G <= 4) {
-        const Cache c{kp, vp, k_sb, k_so, k_sh, v_sb, v_so, v_sh, BS, KVH, D};
         switch (G) {
-          case 1: attend_grouped<1>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
-          case 2: attend_grouped<2>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
-          case 3: attend_grouped<3>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
-          default: attend_grouped<4>(c, table, L, KVH, D, fscale, qb, scores.data(), o); break;
+          case 1: attend_grouped<1>(args, table, L, KVH, D, fscale, qb, scores.data(), o); break;
+          case 2: attend_grouped<2>(args, table, L, KVH, D, fscale, qb, scores.data(), o); break;
+          case 3: attend_grouped<3>(args, table, L, KVH, D, fscale, qb, scores.data(), o); break;
+          default: attend_grouped<4>(args, table, L, KVH, D, fscale, qb, scores.data(), o); break;
         }
         continue;
       }

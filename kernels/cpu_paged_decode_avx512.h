@@ -7,7 +7,8 @@
 
 namespace llm_cpu {
 
-// One paged_decode call's operands; strides in floats. Caches (NB, BS, KVH, D), unit stride on D.
+// One paged_decode call's operands; strides in floats. Caches (NB, BS, KVH, D), unit stride on D. The
+// AVX2 code in cpu_paged_attention.cpp reads the caches through it too.
 struct DecodeArgs {
   const float* q;          // (B, H, D)
   const float* k;          // key cache
