@@ -101,7 +101,14 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
-                "and at least one must be left to generate", "prompt")
+                "and at least one must be left to generate", "prompt", "context_length_exceeded")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            # vLLM and OpenAI refuse this too: cutting the answer short at the window would look like
+            # a choice of the model's ("length") when the request could never have been met.
+            raise InvalidRequestError(
+                f"max_tokens is too large: {params.max_tokens}. This model's context is {max_len} tokens and "
+                f"the prompt is {len(token_ids)} tokens ({params.max_tokens} > {max_len} - {len(token_ids)})",
+                "max_tokens", "context_length_exceeded")
         if any(t >= vocab for t, _ in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", "logit_bias")
         if params.n > self.config.max_num_seqs:

@@ -103,7 +103,7 @@ class EngineLoop(Generic[Sink]):
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
             except InvalidRequestError as e:
-                self._outgoing.put((sink, RequestFailure(request.request_id, e.message, "invalid_request_error", e.param)))
+                self._outgoing.put((sink, RequestFailure.refused(request.request_id, e)))
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:

@@ -20,12 +20,14 @@ MAX_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses before it runs; `param` names the offending field."""
+    """A request the engine refuses before it runs; `param` names the offending field and `code` is
+    OpenAI's error code where it has one (e.g. "context_length_exceeded")."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class FinishReason(str, enum.Enum):
@@ -226,6 +228,11 @@ class RequestFailure:
     message: str
     error_type: str = "engine_error"  # or "invalid_request_error" (refused before it ran)
     param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def refused(cls, request_id: str, error: InvalidRequestError) -> RequestFailure:
+        return cls(request_id, error.message, "invalid_request_error", error.param, error.code)
 
 
 EngineOutput = StepOutput | RequestFailure

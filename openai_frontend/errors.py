@@ -85,7 +85,7 @@ class StreamIntegrityError(EngineFailure):
 def from_engine_message(message: str) -> FrontendError:
     """Map the message of a Triton error response to a typed error.
 
-    The model sends `{"type": "invalid_request_error" | "engine_error", "message", "param"}`
+    The model sends `{"type": "invalid_request_error" | "engine_error", "message", "param", "code"}`
     (docs/wire-contract.md). Triton may wrap the model's text in its own prefix, so the JSON object
     is looked for inside the message; anything else is an engine failure with the raw text.
     """
@@ -97,9 +97,10 @@ def from_engine_message(message: str) -> FrontendError:
             data = None
         if isinstance(data, dict) and isinstance(data.get("message"), str):
             param = data.get("param") if isinstance(data.get("param"), str) else None
+            code = data.get("code") if isinstance(data.get("code"), str) else None
             if data.get("type") == "invalid_request_error":
-                return InvalidRequest(data["message"], param)
-            return EngineFailure(data["message"], param)
+                return InvalidRequest(data["message"], param, code)
+            return EngineFailure(data["message"], param, code)
     if "unknown model" in message.lower():
         return EngineUnavailable(message, "model")
     return EngineFailure(message)

@@ -7,9 +7,11 @@ backend.types.SamplingParams (one place); the schemas check types and the OpenAI
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from openai_frontend.errors import InvalidRequest
 
 
 class _Strict(BaseModel):
@@ -44,6 +46,18 @@ class SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, not used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text can hold: a 400 here
+        rather than a 500 where the prompt is encoded. (Raised as InvalidRequest, which pydantic does
+        not wrap, so `param` is the field's path, not a union member's.)"""
+        where = _unencodable_text(data, "")
+        if where is not None:
+            raise InvalidRequest(f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate "
+                                 "(\\ud800-\\udfff)", where or None)
+        return data
 
 
 class CompletionRequest(SamplingFields):
@@ -82,3 +96,23 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+
+
+def _unencodable_text(value: Any, path: str) -> str | None:
+    """The path (e.g. `messages.0.content`) of the first string that cannot be UTF-8 encoded, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = _unencodable_text(key, path) or _unencodable_text(item, f"{path}.{key}" if path else str(key))
+            if where is not None:
+                return where
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # token ids: nothing to check
+        for i, item in enumerate(value):
+            where = _unencodable_text(item, f"{path}.{i}")
+            if where is not None:
+                return where
+    return None

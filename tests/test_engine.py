@@ -74,8 +74,13 @@ def test_stop_token_id_reports_its_id(engine):
 
 def test_context_limits():
     engine = tiny_engine(max_model_len=32)
-    with pytest.raises(InvalidRequestError, match="context"):
+    with pytest.raises(InvalidRequestError, match="context") as refused:
         engine.make_request("long", list(range(100, 132)), SamplingParams())
+    assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError, match=r"13 > 32 - 20") as refused:
+        engine.make_request("greedy", list(range(100, 120)), SamplingParams(max_tokens=13))
+    assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
+    engine.make_request("fits", list(range(100, 120)), SamplingParams(max_tokens=12))
     (msgs,) = generate(engine, prompt=list(range(100, 120)), max_tokens=None, ignore_eos=True).values()
     assert msgs[-1].finish_reason is FinishReason.LENGTH and msgs[-1].num_prompt_tokens + len(tokens(msgs)) == 32
 

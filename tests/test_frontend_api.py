@@ -389,6 +389,27 @@ async def test_unknown_fields_are_400_naming_them() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "caf\ud800"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt.1"),
+    ("/v1/completions", {"prompt": "ok", "stop": ["a", "b\ud83d"]}, "stop.1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text"),
+])
+async def test_lone_surrogates_are_400_naming_the_field(path, body, param) -> None:
+    engine = FakeEngineClient()
+    async with make_client(engine) as client:
+        payload = json.dumps({"model": MODEL, **body})  # ensure_ascii: the surrogate travels as \\udXXX
+        assert "\\ud" in payload
+        r = await client.post(path, content=payload, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"]
+        assert engine.calls == []
+        ok = json.dumps({"model": MODEL, **body}, ensure_ascii=False).encode("utf-8", "replace").decode("utf-8")
+        assert (await client.post(path, content=ok, headers={"content-type": "application/json"})).status_code == 200
+
+
 @pytest.mark.parametrize("body,param", [
     ({"best_of": 3, "n": 2}, "best_of"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

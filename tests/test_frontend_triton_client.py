@@ -126,6 +126,10 @@ async def test_build_request() -> None:
 async def test_engine_error_messages() -> None:
     e = from_engine_message(json.dumps({"type": "invalid_request_error", "message": "too long", "param": "prompt"}))
     assert isinstance(e, InvalidRequest) and (e.message, e.param, e.status_code) == ("too long", "prompt", 400)
+    assert e.code is None
+    e = from_engine_message(json.dumps({"type": "invalid_request_error", "message": "too long", "param": "max_tokens",
+                                        "code": "context_length_exceeded"}))
+    assert isinstance(e, InvalidRequest) and (e.param, e.code) == ("max_tokens", "context_length_exceeded")
     e = from_engine_message("Failed to process the request: " + json.dumps({"type": "engine_error", "message": "oom",
                                                                             "param": None}))
     assert isinstance(e, EngineFailure) and e.message == "oom" and e.status_code == 500

@@ -117,26 +117,28 @@ def test_raw_sse_ends_with_done(servers):
 
 
 @pytest.mark.parametrize(
-    "body, status, param",
+    "body, status, param, code",
     [
-        ({"prompt": PROMPT, "max_tokenz": 3}, 400, "max_tokenz"),
-        ({"prompt": PROMPT, "n": 0}, 400, "n"),
-        ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
-        ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
-        ({"prompt": PROMPT, "best_of": 3, "n": 1}, 400, "best_of"),
-        ({"prompt": "word " * 9000, "max_tokens": 1}, 400, None),
-        ({"prompt": PROMPT, "model": "no-such-model"}, 404, None),
-        ({"prompt": "", "max_tokens": 1}, 400, None),
+        ({"prompt": PROMPT, "max_tokenz": 3}, 400, "max_tokenz", None),
+        ({"prompt": PROMPT, "n": 0}, 400, "n", None),
+        ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs", None),
+        ({"prompt": PROMPT, "temperature": -1}, 400, "temperature", None),
+        ({"prompt": PROMPT, "best_of": 3, "n": 1}, 400, "best_of", None),
+        ({"prompt": "word " * 9000, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
+        ({"prompt": PROMPT, "max_tokens": 8192}, 400, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "caf\ud800"}, 400, "prompt", None),
+        ({"prompt": PROMPT, "model": "no-such-model"}, 404, "model", "model_not_found"),
+        ({"prompt": "", "max_tokens": 1}, 400, "prompt", None),
     ],
 )
-def test_bad_input_gets_openai_error_json(servers, body, status, param):
-    payload = {"model": servers.model, **body}
-    r = httpx.post(f"{servers.base_url}/completions", json=payload, timeout=60)
+def test_bad_input_gets_openai_error_json(servers, body, status, param, code):
+    payload = json.dumps({"model": servers.model, **body})  # ASCII: a lone surrogate travels as \ud800
+    r = httpx.post(f"{servers.base_url}/completions", content=payload, timeout=60,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
+    assert (error["param"], error["code"]) == (param, code), error
     ok = httpx.post(f"{servers.base_url}/completions", json={"model": servers.model, "prompt": PROMPT, "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200

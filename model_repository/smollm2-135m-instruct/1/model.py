@@ -65,7 +65,7 @@ class TritonPythonModel:
                 prompt, params = self._parse(request)
                 self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
             except InvalidRequestError as e:
-                self._send(sender, RequestFailure(request_id, e.message, "invalid_request_error", e.param))
+                self._send(sender, RequestFailure.refused(request_id, e))
             except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
                 self._send(sender, RequestFailure(request_id, f"{type(e).__name__}: {e}", "invalid_request_error"))
         return None
@@ -99,7 +99,8 @@ class TritonPythonModel:
     def _send(sender, output: EngineOutput) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if isinstance(output, RequestFailure):
-            message = json.dumps({"type": output.error_type, "message": output.message, "param": output.param})
+            message = json.dumps({"type": output.error_type, "message": output.message, "param": output.param,
+                                  "code": output.code})
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=final)
             return
         sender.send(pb_utils.InferenceResponse(output_tensors=_step_tensors(output)),
