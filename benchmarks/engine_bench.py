@@ -7,6 +7,9 @@
     aggregate output tokens/s. The engine batches continuously (a finished request's seat is
     refilled at once); transformers runs static batches of 16 padded to the longest output, and
     only the requested tokens count as output.
+(c) one long prompt (--long-prompt-tokens, 4096 by default; 0 skips it), one output token: time to
+    first token. The engine prefills in chunks of 2048 tokens through the paged cache; transformers
+    runs `generate(max_new_tokens=1)` on the whole prompt (its default SDPA attention).
 With --compile (`make bench-engine` passes it), (a) and (b) run again on an engine with
 EngineConfig(compile=True) (backend/compiled_decode.py); the plain keys stay the default engine's.
 
@@ -105,6 +108,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--long-prompt-tokens", type=int, default=4096)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compile", action="store_true",
                         help="also run (a) and (b) on an engine with EngineConfig(compile=True)")
@@ -156,6 +160,19 @@ def main() -> None:
         hf_mixed = n / secs
         print(f"(b) transformers, static batches of {args.concurrency}: {n} tokens in {secs:.1f} s "
               f"= {hf_mixed:.1f} tok/s", flush=True)
+    # (c) one long prompt: time to first token
+    long_prompt: dict[str, float | None] = {}
+    if args.long_prompt_tokens > 0:
+        long_ids = make_prompt_ids(tok, rng, args.long_prompt_tokens)
+        _, secs, _ = run_engine(engine, [long_ids], [1], 1)
+        long_prompt["engine_long_prompt_ttft_s"] = round(secs, 2)
+        print(f"(c) engine, one {len(long_ids)}-token prompt: first token after {secs:.2f} s", flush=True)
+        if hf is not None:
+            _, hf_secs = run_hf(hf, [long_ids], [1], 1)
+            long_prompt["hf_long_prompt_ttft_s"] = round(hf_secs, 2)
+            long_prompt["long_prompt_speedup"] = round(hf_secs / secs, 2)
+            print(f"(c) transformers generate(max_new_tokens=1): {hf_secs:.2f} s; engine {hf_secs / secs:.2f}x faster",
+                  flush=True)
     compiled: dict[str, float] = {}
     if args.compile:
         del engine
@@ -184,6 +201,7 @@ def main() -> None:
         "hf_mixed_tok_s": round(hf_mixed, 2),
         "mixed_ratio": round(engine_mixed / hf_mixed, 2) if hf is not None else None,
         "batch1_ratio": round(engine_b1 / hf_b1, 2) if hf is not None else None,
+        **long_prompt,
         **compiled,
     }))
 

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in (
     "cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_paged_attention_avx512.cpp",
-    "cpu_paged_prefill.cpp", "cpu_layer_ops.cpp", "cpu_decoder_layer.cpp")]
+    "cpu_paged_prefill.cpp", "cpu_paged_prefill_avx512.cpp", "cpu_layer_ops.cpp", "cpu_decoder_layer.cpp")]
 CpuLinear = Callable[..., torch.Tensor]
 # Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles: on 6 layers of SmolLM2's
 # matrices (AVX-512, 2 threads) the kernel was 1.1-1.4x faster at 32-143 rows, 0.9x at 256 and 2048.

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -25,7 +26,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_paged_checks.h"
+#include "cpu_paged_prefill_avx512.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -106,6 +109,43 @@ void output_tile(const float* p, int64_t p_stride, int64_t width, const float* v
   }
 }
 
+// The AVX-512 path: tasks (sequence b, KV head h, a range of its rows in whole tiles), heaviest first, taken
+// by the threads as they come free (a row's work grows with the positions it sees, so equal row counts are
+// not equal work). Enough tasks that the last ones are small: each (b, h) is split in up to 8 x threads /
+// (B x KVH) ranges. A task copies the K and V rows it needs once: more ranges, more copies.
+void prefill_avx512(const llm_cpu::PrefillArgs& a, int64_t B) {
+  struct Task {
+    int64_t b, h, r_begin, r_end, work;
+  };
+  const int64_t threads = at::get_num_threads(), G = a.H / a.KVH, tile = llm_cpu::kPrefillTileRows;
+  const int64_t chunks = std::max<int64_t>(1, (8 * threads + B * a.KVH - 1) / (B * a.KVH));
+  std::vector<Task> tasks;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = a.qsl[b + 1] - a.qsl[b], first = a.lens[b] - q_len, rows = q_len * G;
+    const int64_t tiles = (rows + tile - 1) / tile;
+    if (rows == 0) continue;
+    max_len = std::max<int64_t>(max_len, a.lens[b]);
+    const int64_t parts = std::min(chunks, tiles);
+    for (int64_t h = 0; h < a.KVH; ++h) {
+      for (int64_t c = 0; c < parts; ++c) {
+        const int64_t r0 = tiles * c / parts * tile, r1 = std::min(rows, tiles * (c + 1) / parts * tile);
+        if (r0 < r1) tasks.push_back({b, h, r0, r1, (r1 - r0) * (first + (r0 + r1) / (2 * G) + tile)});
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.work > y.work; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size()), scratch = llm_cpu::prefill_scratch_floats_avx512(a.D, max_len);
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    std::vector<float> buffer(scratch);
+    for (int64_t i = next++; i < n; i = next++) {
+      const Task& t = tasks[i];
+      llm_cpu::prefill_rows_avx512(a, t.b, t.h, t.r_begin, t.r_end, buffer.data());
+    }
+  });
+}
+
 // q (T, H, D); k_cache, v_cache (NB, BS, KVH, D), unit stride on D; block_tables (B, max_blocks) int32;
 // query_start_loc (B + 1,) int32; seq_lens (B,) int32 -> (T, H, D)
 at::Tensor paged_prefill(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -152,6 +192,12 @@ at::Tensor paged_prefill(const at::Tensor& q_in, const at::Tensor& k_cache, cons
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const int64_t G = H / KVH;
   const float fscale = static_cast<float>(scale);
+  if (llm_cpu::ops::avx512_on() && llm_cpu::prefill_avx512_takes(D)) {
+    const llm_cpu::PrefillArgs args{qp, kp, vp, op, table_p, qsl_p, lens_p, max_blocks, H, KVH, D, BS,
+                                    k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
+    prefill_avx512(args, B);
+    return out;
+  }
 
   // Tasks (sequence, KV head, chunk of its rows); a sequence's rows are split in chunks only when there are
   // too few (sequence, head) pairs to keep every thread busy (one 128-token prompt: 3 heads, 2 threads).

@@ -31,8 +31,8 @@ def linear(x, w, bias=None, residual=None):
 
 @pytest.fixture(params=["avx2", "avx512"])
 def isa(request):
-    """The kernels' code for each instruction set this CPU has (AVX-512: the linear tiles and the decode
-    attention path, only where it has it)."""
+    """The kernels' code for each instruction set this CPU has (AVX-512: the linear tiles and the decode and
+    prefill attention paths, only where it has it)."""
     if kernel is None:
         pytest.skip("kernel not built")
     on = torch.ops.llm_cpu.use_avx512(request.param == "avx512")
@@ -238,7 +238,7 @@ def _prefill_case(H, KVH, D, BS, seed, strided=False):
 @pytest.mark.parametrize("D", [64, 128, 32])
 @pytest.mark.parametrize("BS", [16, 32])
 @pytest.mark.parametrize("strided", [False, True])
-def test_prefill_kernel_matches_reference(H, KVH, D, BS, strided):
+def test_prefill_kernel_matches_reference(H, KVH, D, BS, strided, isa):
     q, k_cache, v_cache, tables, qsl, lens = _prefill_case(H, KVH, D, BS, seed=H * D + BS, strided=strided)
     scale = D**-0.5
     got = prefill_kernel(q, k_cache, v_cache, tables, qsl, lens, scale)
@@ -250,7 +250,7 @@ def test_prefill_kernel_matches_reference(H, KVH, D, BS, strided):
 @needs_prefill_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("q_len, ctx", [(37, 50), (2, 2), (1, 33)])
-def test_prefill_kernel_splits_a_lone_sequence_in_chunks_of_rows(q_len, ctx, threads):
+def test_prefill_kernel_splits_a_lone_sequence_in_chunks_of_rows(q_len, ctx, threads, isa):
     # One sequence, 3 KV heads: fewer (sequence, head) pairs than 4 per thread, so each head's rows are
     # split over several tasks (up to as many as it has 3-row tiles).
     g = torch.Generator().manual_seed(q_len * 100 + ctx)
@@ -265,6 +265,55 @@ def test_prefill_kernel_splits_a_lone_sequence_in_chunks_of_rows(q_len, ctx, thr
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(got, reference.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, lens, 0.125), rtol=1e-5, atol=2e-6)
+
+
+def _one_sequence(L, BS, D=64, KVH=3, H=9, seed=0):
+    """Caches holding L positions of one sequence (its blocks scattered, NaN elsewhere) and a query row for each."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (L + BS - 1) // BS
+    k_cache = torch.full((blocks + 3, BS, KVH, D), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = torch.randperm(blocks + 3, generator=g)[:blocks].int()
+    for p in range(L):
+        k_cache[table[p // BS], p % BS] = torch.randn(KVH, D, generator=g)
+        v_cache[table[p // BS], p % BS] = torch.randn(KVH, D, generator=g)
+    return torch.randn(L, H, D, generator=g), k_cache, v_cache, table
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("BS", [16, 32])
+@pytest.mark.parametrize("D, KVH, H", [(64, 3, 9), (128, 2, 4), (32, 1, 8)])
+def test_prefill_kernel_long_context_matches_reference(BS, D, KVH, H, isa):
+    # 130 new rows after 200 cached positions: many row tiles and key blocks, a head's rows split into tasks.
+    q, k_cache, v_cache, table = _one_sequence(330, BS, D, KVH, H, seed=BS + D)
+    args = (q[200:], k_cache, v_cache, table[None], torch.tensor([0, 130], dtype=torch.int32),
+            torch.tensor([330], dtype=torch.int32), D**-0.5)
+    got = prefill_kernel(*args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference.paged_prefill_ref(*args), rtol=1e-5, atol=2e-6)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_rows_do_not_depend_on_chunking_batching_or_threads(threads, isa):
+    """A row's output is a function of its query and the positions it sees: the same bits whether the prompt
+    is prefilled at once or in chunks, alone or beside another sequence, on any number of threads."""
+    L, cut = 150, 70
+    q, k_cache, v_cache, table = _one_sequence(L, 16, seed=7)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        whole = prefill_kernel(q, k_cache, v_cache, table[None], torch.tensor([0, L], dtype=torch.int32),
+                               torch.tensor([L], dtype=torch.int32), 0.125)
+        first = prefill_kernel(q[:cut], k_cache, v_cache, table[None], torch.tensor([0, cut], dtype=torch.int32),
+                               torch.tensor([cut], dtype=torch.int32), 0.125)
+        second = prefill_kernel(q[cut:], k_cache, v_cache, table[None], torch.tensor([0, L - cut], dtype=torch.int32),
+                                torch.tensor([L], dtype=torch.int32), 0.125)
+        both = prefill_kernel(q, k_cache, v_cache, table[None].repeat(2, 1), torch.tensor([0, cut, L], dtype=torch.int32),
+                              torch.tensor([cut, L], dtype=torch.int32), 0.125)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(torch.cat([first, second]), whole) and torch.equal(both, whole)
 
 
 @needs_prefill_kernel
