@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from backend.config import EngineConfig
 from tests.engine_helpers import smollm2_tokenizer
@@ -36,3 +41,23 @@ def test_chat_template_and_special_tokens_match_the_gguf():
     assert params["chat_template"] == tok.chat_template
     assert params["eos_token"] == tok.eos_token
     assert params["bos_token"] == tok.bos_token
+
+
+MODEL_PY = CONFIG.parent / "1" / "model.py"
+_LOAD_MODEL_PY = """
+import importlib.util, os, sys, types
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+loaded_before = "torch" in sys.modules
+spec = importlib.util.spec_from_file_location("model", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(os.environ.get("GOMP_SPINCOUNT"), loaded_before, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("env, spincount", [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                            ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")])
+def test_model_py_shortens_openmp_spinning_before_torch_loads_unless_the_user_chose(env, spincount):
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", _LOAD_MODEL_PY, str(MODEL_PY)], env={**base, **env},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == [spincount, "False", "True"]  # set before model.py's imports load torch (and libgomp)
