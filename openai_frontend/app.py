@@ -72,7 +72,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors: list[Any] = list(exc.errors())
 
     def where(error: dict[str, Any]) -> str:
-        loc = [str(x) for x in error.get("loc", ())]
+        # Pydantic names the union member it tried in the path (`content.str`, `prompt.list[int]`): the
+        # user's field is the path without it.
+        loc = [str(x) for x in error.get("loc", ()) if not _is_union_member(x)]
         return ".".join(loc[1:] if loc[:1] == ["body"] else loc) or "body"
 
     unknown = [where(e) for e in errors if e.get("type") == "extra_forbidden"]
@@ -84,6 +86,10 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         error = InvalidRequest("Invalid request")
     return _error_response(error)
+
+
+def _is_union_member(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

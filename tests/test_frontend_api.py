@@ -367,7 +367,11 @@ async def test_chat_defaults_and_rules() -> None:
         assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
         r = await client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-        assert r.status_code == 400
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.image_url"
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": None}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"  # not `content.str`
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1.5]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.json()
 
 
 # -- request validation and errors ---------------------------------------------------------------
