@@ -98,7 +98,7 @@ inline void prefetch_rows(const float* block, int64_t n, int64_t row_stride, int
 // the same (219 us per layer both; there the caches' 4 MB no longer fit in L2 and reading them bounds it).
 //   q (H, D), scores (H, L) scratch, o (H, D).
 template <int G>
-void attend_grouped(const llm_cpu::DecodeArgs& c, const int32_t* table, int64_t L, int64_t KVH, int64_t D, float scale,
+void attend_grouped(const llm_cpu::PagedArgs& c, const int32_t* table, int64_t L, int64_t KVH, int64_t D, float scale,
                     const float* q, float* scores, float* o) {
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t h = 0; h < KVH; ++h) {
@@ -216,7 +216,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
   const int64_t k_sb = k_cache.stride(0), k_so = k_cache.stride(1), k_sh = k_cache.stride(2);
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
-  const llm_cpu::DecodeArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
+  const llm_cpu::PagedArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
                                  k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
 
   if (llm_cpu::ops::avx512_on() && avx512_path_takes(G, D)) {

@@ -52,7 +52,7 @@ inline void prefetch_block(const float* row, int64_t n, int64_t stride, int line
 // One unit: sequence b (L positions through `table`), KV head h, query heads h G .. h G + G - 1.
 //   q (G, D) -> o (G, D); s: G rows of Lp >= L floats.
 template <int G, int C>
-void unit(const DecodeArgs& a, const int32_t* table, int64_t L, int64_t h, const float* q, float* o, float* s,
+void unit(const PagedArgs& a, const int32_t* table, int64_t L, int64_t h, const float* q, float* o, float* s,
           int64_t Lp) {
   constexpr int D = 16 * C;
   const int64_t BS = a.BS, blocks = (L + BS - 1) / BS;
@@ -118,7 +118,7 @@ void unit(const DecodeArgs& a, const int32_t* table, int64_t L, int64_t h, const
 }
 
 template <int G, int C>
-void units(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch) {
+void units(const PagedArgs& a, int64_t u0, int64_t u1, float* scratch) {
   constexpr int D = 16 * C;
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t b = u / a.KVH, h = u % a.KVH, L = a.lens[b];
@@ -129,7 +129,7 @@ void units(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch) {
 
 }  // namespace
 
-void decode_units_avx512(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch) {
+void decode_units_avx512(const PagedArgs& a, int64_t u0, int64_t u1, float* scratch) {
   const int64_t G = a.H / a.KVH;
   switch (a.D) {
     case 32:

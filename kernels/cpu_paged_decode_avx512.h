@@ -5,26 +5,14 @@
 
 #include <cstdint>
 
-namespace llm_cpu {
+#include "cpu_paged_args.h"
 
-// One paged_decode call's operands; strides in floats. Caches (NB, BS, KVH, D), unit stride on D. The
-// AVX2 code in cpu_paged_attention.cpp reads the caches through it too.
-struct DecodeArgs {
-  const float* q;          // (B, H, D)
-  const float* k;          // key cache
-  const float* v;          // value cache
-  float* o;                // (B, H, D)
-  const int32_t* tables;   // (B, max_blocks)
-  const int32_t* lens;     // (B,)
-  int64_t max_blocks, H, KVH, D, BS;
-  int64_t k_sb, k_so, k_sh, v_sb, v_so, v_sh;
-  float scale;
-};
+namespace llm_cpu {
 
 // Takes G query heads per KV head of dimension D = 32 with G <= 8, 64 with G <= 4, or 128 with G <= 2
 // (G x D / 16 accumulators and D / 16 V rows in registers); the caller checks (cpu_paged_attention.cpp).
 // Units u = b * KVH + h in [u0, u1): query heads h * G .. h * G + G - 1 of sequence b over its lens[b]
 // positions. scratch: G * (max lens rounded up to 16) floats.
-void decode_units_avx512(const DecodeArgs& a, int64_t u0, int64_t u1, float* scratch);
+void decode_units_avx512(const PagedArgs& a, int64_t u0, int64_t u1, float* scratch);
 
 }  // namespace llm_cpu

@@ -111,11 +111,14 @@ void output_tile(const float* p, int64_t p_stride, int64_t width, const float* v
   }
 }
 
+// The head dims prefill_rows_avx512 takes (cpu_paged_prefill_avx512.h).
+bool avx512_path_takes(int64_t D) { return D == 32 || D == 64 || D == 128; }
+
 // The AVX-512 path: tasks (sequence b, KV head h, a range of its rows in whole tiles), heaviest first, taken
 // by the threads as they come free (a row's work grows with the positions it sees, so equal row counts are
 // not equal work). Enough tasks that the last ones are small: each (b, h) is split in up to 8 x threads /
 // (B x KVH) ranges. A task copies the K and V rows it needs once: more ranges, more copies.
-void prefill_avx512(const llm_cpu::PrefillArgs& a, int64_t B) {
+void prefill_avx512(const llm_cpu::PagedArgs& a, int64_t B) {
   struct Task {
     int64_t b, h, r_begin, r_end, work;
   };
@@ -194,9 +197,9 @@ at::Tensor paged_prefill(const at::Tensor& q_in, const at::Tensor& k_cache, cons
   const int64_t v_sb = v_cache.stride(0), v_so = v_cache.stride(1), v_sh = v_cache.stride(2);
   const int64_t G = H / KVH;
   const float fscale = static_cast<float>(scale);
-  if (llm_cpu::ops::avx512_on() && llm_cpu::prefill_avx512_takes(D)) {
-    const llm_cpu::PrefillArgs args{qp, kp, vp, op, table_p, qsl_p, lens_p, max_blocks, H, KVH, D, BS,
-                                    k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale};
+  if (llm_cpu::ops::avx512_on() && avx512_path_takes(D)) {
+    const llm_cpu::PagedArgs args{qp, kp, vp, op, table_p, lens_p, max_blocks, H, KVH, D, BS,
+                                  k_sb, k_so, k_sh, v_sb, v_so, v_sh, fscale, qsl_p};
     prefill_avx512(args, B);
     return out;
   }

@@ -145,7 +145,7 @@ void tile(const float* const* q, float* const* o, const int32_t* limit, const fl
 }
 
 template <int D>
-void rows(const PrefillArgs& a, int64_t b, int64_t h, int64_t r_begin, int64_t r_end, float* scratch) {
+void rows(const PagedArgs& a, int64_t b, int64_t h, int64_t r_begin, int64_t r_end, float* scratch) {
   const int64_t G = a.H / a.KVH, lo = a.qsl[b], q_len = a.qsl[b + 1] - lo, L = a.lens[b], first = L - q_len;
   const int32_t* table = a.tables + b * a.max_blocks;
   const int64_t seen_max = first + (r_end - 1) / G + 1;  // positions the task's last row sees
@@ -175,7 +175,12 @@ void rows(const PrefillArgs& a, int64_t b, int64_t h, int64_t r_begin, int64_t r
 
 }  // namespace
 
-void prefill_rows_avx512(const PrefillArgs& a, int64_t b, int64_t h, int64_t r_begin, int64_t r_end, float* scratch) {
+int64_t prefill_scratch_floats_avx512(int64_t D, int64_t positions) {
+  const int64_t padded = (positions + kPos - 1) / kPos * kPos;
+  return 2 * padded * D + 2 * kRows * D + kPos * kRows;  // kc, vc; qt, ob; sp (see rows)
+}
+
+void prefill_rows_avx512(const PagedArgs& a, int64_t b, int64_t h, int64_t r_begin, int64_t r_end, float* scratch) {
   switch (a.D) {
     case 32: return rows<32>(a, b, h, r_begin, r_end, scratch);
     case 64: return rows<64>(a, b, h, r_begin, r_end, scratch);
