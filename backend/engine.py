@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +22,12 @@ from backend.model_runner import ModelRunner, kv_block_bytes
 from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
+from backend.structured_output import GrammarState, StructuredOutputCompiler
 from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # how long an otherwise idle step waits for a grammar to finish compiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype,
                                   compile_decode=config.compile)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, max_model_len)
+        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, model_cfg.vocab_size,
+                                                           self.runtime.eos_token_ids)
+        # Constrained requests whose grammar is still compiling: kept out of the scheduler until it is ready.
+        self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._pending: list[EngineOutput] = []  # abort messages waiting for the next step() to return them
@@ -113,21 +122,37 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", "logit_bias")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
+        if params.structured_outputs is not None:
+            self.structured_outputs.check(params.structured_outputs)  # a bad grammar is refused here
         return GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
 
     def add_request(self, request: GenerateRequest) -> None:
-        if request.request_id in self.output_processor.requests:
+        """Queues the request; a constrained one joins the scheduler once its grammar is compiled."""
+        if request.request_id in self.output_processor.requests or request.request_id in self._compiling:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
+        spec = request.params.structured_outputs
+        if spec is None:
+            self._schedule_request(request, None)
+        else:
+            self._compiling[request.request_id] = (request, self.structured_outputs.compiled(spec))
+
+    def _schedule_request(self, request: GenerateRequest, compiled_grammar) -> None:
         arrival = next(self._arrivals)
         seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, seq_index=i,
                          prompt_token_ids=request.prompt_token_ids, params=request.params, arrival=arrival)
                 for i in range(request.params.n)]
+        if compiled_grammar is not None:
+            for seq in seqs:  # n > 1: each sibling walks the grammar on its own
+                seq.grammar = GrammarState(compiled_grammar)
         self.output_processor.add_request(request.request_id, seqs)
         self.scheduler.add_request(seqs)
         self._prompt_tokens += len(request.prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         """Frees the request's KV blocks now; its last messages come with the next step()."""
+        if request_id in self._compiling:  # admitted unconstrained only to be ended at once, like any other
+            request, _ = self._compiling.pop(request_id)
+            self._schedule_request(request, None)
         if request_id not in self.output_processor.requests:
             return
         seqs = self.scheduler.abort_request(request_id)
@@ -135,11 +160,12 @@ class LLMEngine:
         self._pending.extend(self.output_processor.abort_sequences(seqs))
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        return bool(self._pending) or bool(self._compiling) or self.scheduler.has_unfinished()
 
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        self._admit_compiled()
         batch = self.scheduler.schedule()
         try:
             sampled = self.runner.execute(batch)
@@ -148,6 +174,24 @@ class LLMEngine:
         outputs = self._pending_outputs() + self.output_processor.process_tokens(sampled)
         self._generation_tokens += len(sampled)
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Schedules the constrained requests whose grammar is ready; with nothing else to run, waits
+        a moment for one (compiling runs on its own thread, so no other request's step waits)."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished() and not self._pending:
+            wait_futures([f for _, f in self._compiling.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is not None:
+                logger.error("compiling the grammar of %s failed: %s", request_id, error)
+                self._pending.append(RequestFailure(request_id, f"grammar compilation failed: {error}"))
+            else:
+                self._schedule_request(request, future.result())
 
     def _pending_outputs(self) -> list[EngineOutput]:
         pending, self._pending = self._pending, []
@@ -168,7 +212,7 @@ class LLMEngine:
         kv = self.block_manager.stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + sum(r.params.n for r, _ in self._compiling.values()),
             kv_blocks_total=kv.total,
             kv_blocks_used=kv.used,
             kv_blocks_free=kv.free,

@@ -14,6 +14,7 @@ from backend.llama import LlamaForCausalLM
 from backend.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from backend.scheduler import SchedulerOutput
 from backend.sequence import Sequence
+from backend.structured_output import TokenBitmask
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -105,7 +106,8 @@ class ModelRunner:
         if len(row_of_seq) != len(sample_rows):
             logits = logits[torch.tensor(row_of_seq, device=dev)]  # (sequences, vocab): siblings read the leader's row
         rows = [self._sampling_row(seq) for seq in sampling_seqs]
-        return list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows)))
+        allowed = TokenBitmask.for_rows([seq.grammar for seq in sampling_seqs], logits.shape[1])
+        return list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows, allowed)))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         if seq.generator is None:

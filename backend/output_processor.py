@@ -67,12 +67,23 @@ class OutputProcessor:
         token_text = seq.detokenizer.add_token(tok.token_id)
         may_stop = num_output >= params.min_tokens
 
+        grammar_ended = grammar_broken = False
+        if seq.grammar is not None:
+            # The sampler only picks allowed tokens; a refusal would be a bug, and the sequence ends
+            # ("abort") rather than go on outside its grammar.
+            grammar_broken = not seq.grammar.accept(tok.token_id)
+            grammar_ended = seq.grammar.is_terminated
+
         finish: FinishReason | None = None
         stop_reason: str | int | None = None
-        if may_stop and not params.ignore_eos and tok.token_id in self.eos_token_ids:
+        if grammar_broken:
+            finish = FinishReason.ABORT
+        elif may_stop and not params.ignore_eos and tok.token_id in self.eos_token_ids:
             finish = FinishReason.STOP
         elif may_stop and tok.token_id in params.stop_token_ids:
             finish, stop_reason = FinishReason.STOP, tok.token_id
+        elif grammar_ended:  # its EOS was accepted: nothing may follow, whatever min_tokens or ignore_eos say
+            finish = FinishReason.STOP
         elif (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH
 

@@ -9,6 +9,7 @@
         ├─ logit_bias: added to the logits
         ├─ repetition_penalty (prompt + output tokens): positive logits / p, negative logits * p
         ├─ frequency / presence penalty (output tokens): - f * count - p * (count > 0)
+        ├─ structured outputs: tokens the row's grammar forbids get -inf (TokenBitmask)
         ▼
     greedy rows (temperature < 1e-5): argmax
     other rows: / temperature ─► min_p ─► top_k ─► top_p ─► draw one token
@@ -28,6 +29,10 @@ sums never swallow small probabilities. The per-row cost is one scalar draw; the
 tensor work. (vLLM's exponential race draws V random numbers per row: about 1 ms per row for a
 49k vocabulary on CPU, against a few microseconds here.)
 
+A constrained row keeps only what its grammar allows. Where the other processors left it nothing
+(min_tokens banning the EOS that the grammar requires), the grammar wins: that row is sampled from
+its grammar-masked raw logits.
+
 Everything else is vectorized over the batch: the Python loops over rows only gather settings.
 """
 
@@ -41,6 +46,7 @@ from itertools import chain
 
 import torch
 
+from backend.structured_output import TokenBitmask
 from backend.types import MAX_LOGPROBS, SamplingParams
 from kernels import cpu_kernels
 
@@ -92,13 +98,17 @@ def make_generator(seed: int | None, seq_index: int, device: str | torch.device 
 class Sampler:
     """Stateless: everything a step needs comes in the rows."""
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               allowed: TokenBitmask | None = None) -> list[SampledToken]:
+        """allowed: the grammar masks of the constrained rows (None: no row is constrained)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (len(rows), vocab); got {tuple(logits.shape)} for {len(rows)} rows")
         if not rows:
             return []
         raw = logits.float()  # (S, V); never modified
         processed = _apply_logits_processors(raw, rows)  # (S, V); `raw` itself when no row needs processing
+        if allowed is not None:
+            processed = _apply_grammar(raw, processed, allowed)
         token_ids = _choose_tokens(processed, rows)  # (S,) int64
         return _with_logprobs(raw, token_ids, rows)
 
@@ -152,6 +162,18 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
         frequency = _per_row(S, pen_rows, [rows[i].params.frequency_penalty for i in pen_rows], device)[at // V]
         presence = _per_row(S, pen_rows, [rows[i].params.presence_penalty for i in pen_rows], device)[at // V]
         flat[at] -= frequency * counts + presence
+    return out
+
+
+def _apply_grammar(raw: torch.Tensor, processed: torch.Tensor, allowed: TokenBitmask) -> torch.Tensor:
+    """processed (S, V) with each constrained row masked by its grammar; a private copy of raw if needed."""
+    out = raw.clone() if processed is raw else processed
+    allowed.apply(out)
+    rows = torch.tensor(allowed.rows)
+    dead = rows[out[rows].amax(dim=-1) == -math.inf].tolist()  # rows the processors left nothing to pick
+    if dead:
+        out[dead] = raw[dead]
+        allowed.apply(out, dead)
     return out
 
 

@@ -6,7 +6,7 @@ so they share the prompt's KV blocks and each samples its first token from the l
 
 The scheduler reads and advances `num_computed_tokens` and `status`; the engine appends tokens and
 owns the opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`,
-`finish_reason`), which the scheduler never touches. No torch here.
+`finish_reason`, `grammar`), which the scheduler never touches. No torch here.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Sequence:
         "stop_matcher",
         "next_step",
         "finish_reason",
+        "grammar",
     )
 
     def __init__(
@@ -77,6 +78,7 @@ class Sequence:
         self.stop_matcher: Any = None
         self.next_step = 0
         self.finish_reason: FinishReason | None = None
+        self.grammar: Any = None  # structured_output.GrammarState of a constrained sequence
 
     @property
     def num_prompt_tokens(self) -> int:

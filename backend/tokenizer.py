@@ -78,6 +78,11 @@ class Tokenizer:
         self.bos_token: str = (tokenizer.id_to_token(bos_token_id) or "") if bos_token_id is not None else ""
         self._token_texts: dict[int, str] = {}
 
+    @property
+    def backend(self) -> FastTokenizer:
+        """The underlying `tokenizers.Tokenizer` (for libraries that build on it, such as xgrammar)."""
+        return self._tok
+
     # ----------------------------------------------------------------------------- encode / decode
 
     def encode(self, text: str) -> list[int]:

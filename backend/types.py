@@ -41,6 +41,86 @@ def _require(ok: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on what a sequence may generate (vLLM's `structured_outputs`): exactly one kind.
+
+    - json: a JSON schema, held as JSON text (hashable, and its property order is kept: the output
+      follows it); json_object: any JSON object or array;
+    - regex: the whole output matches it; choice: the output is exactly one of the strings;
+    - grammar: an EBNF grammar in xgrammar's dialect (GBNF-style `root ::= ...`).
+    disable_any_whitespace: JSON without free whitespace between tokens (vLLM's flag).
+    The engine enforces it (backend/structured_output.py); the syntax is checked when the request is made.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _require(len(set_kinds) == 1, "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                 f"json_object (got {', '.join(set_kinds) or 'none'})", "structured_outputs")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value != ""), f"{name} must be a non-empty string",
+                     f"structured_outputs.{name}")
+        _require(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+                 "choice must be a non-empty list of strings", "structured_outputs.choice")
+        _require(isinstance(self.json_object, bool) and isinstance(self.disable_any_whitespace, bool),
+                 "json_object and disable_any_whitespace must be booleans", "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StructuredOutputs:
+        """From the wire's JSON object; `json` may be a schema object or its JSON text."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("structured_outputs must be a JSON object", "structured_outputs")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}",
+                                      f"structured_outputs.{unknown[0]}")
+        kwargs = {k: v for k, v in data.items() if v is not None}
+        if "json" in kwargs:
+            kwargs["json"] = schema_text(kwargs["json"], "structured_outputs.json")
+        if "choice" in kwargs:
+            _require(isinstance(kwargs["choice"], (list, tuple)), "choice must be a list of strings",
+                     "structured_outputs.choice")
+            kwargs["choice"] = tuple(kwargs["choice"])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {self.kind: getattr(self, self.kind)}
+        if self.json is not None:
+            out["json"] = json.loads(self.json)
+        if self.choice is not None:
+            out["choice"] = list(self.choice)
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON schema (object, or its JSON text) as compact JSON text, key order kept."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
+    _require(isinstance(schema, (dict, bool)), "a JSON schema must be a JSON object", param)
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling settings, validated on construction (bad values never reach the engine)."""
@@ -63,6 +143,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token_id, bias) pairs
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
 
     def __post_init__(self) -> None:
         _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]", "n")
@@ -107,6 +188,11 @@ class SamplingParams:
             "logit_bias maps token ids to values in [-100, 100]",
             "logit_bias",
         )
+        _require(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs",
+            "structured_outputs",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +221,8 @@ class SamplingParams:
                 kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
             except (TypeError, ValueError):
                 raise InvalidRequestError("logit_bias maps token ids to numbers", "logit_bias") from None
+        if kwargs.get("structured_outputs") is not None:
+            kwargs["structured_outputs"] = StructuredOutputs.from_dict(kwargs["structured_outputs"])
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if isinstance(kwargs.get(name), int) and not isinstance(kwargs.get(name), bool):
                 kwargs[name] = float(kwargs[name])
@@ -159,6 +247,10 @@ class SamplingParams:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if self.structured_outputs is None:
+            del out["structured_outputs"]
+        else:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
 
 

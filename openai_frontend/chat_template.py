@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from openai_frontend.engine_client import ModelInfo
@@ -35,18 +36,30 @@ def _compile(model: str, source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def render_chat(model: ModelInfo, messages: list[dict[str, Any]]) -> str:
+@lru_cache(maxsize=64)
+def template_reads_tools(model: str, source: str) -> bool:
+    """Whether the template uses a `tools` variable (else tools go into a system prompt, tool_calls.py)."""
+    env = ImmutableSandboxedEnvironment()
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.exceptions.TemplateError:
+        return False
+
+
+def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text for `messages`, ending with the assistant generation prompt.
 
-    Raises InvalidRequest when the model has no template or the template refuses the messages
-    (e.g. roles that do not alternate).
+    `tools` is passed only to templates that read it. Raises InvalidRequest when the model has no
+    template or the template refuses the messages (e.g. roles that do not alternate).
     """
     if not model.chat_template:
         raise InvalidRequest(f"model `{model.name}` has no chat template; use /v1/completions", "messages")
     try:
         template = _compile(model.name, model.chat_template)
+        extra = {"tools": tools} if tools is not None else {}
         return template.render(
-            messages=messages, add_generation_prompt=True, bos_token=model.bos_token, eos_token=model.eos_token
+            messages=messages, add_generation_prompt=True, bos_token=model.bos_token, eos_token=model.eos_token,
+            **extra,
         )
     except jinja2.exceptions.TemplateError as e:
         raise InvalidRequest(f"chat template error: {e}", "messages") from None

@@ -1,7 +1,7 @@
 """Pydantic request schemas of the OpenAI API subset we serve.
 
-`extra="forbid"` everywhere: an unknown or unsupported field (tools, functions, suffix, ...) is a
-400 that names it, never silently ignored. Range checks of sampling values live in
+`extra="forbid"` everywhere: an unknown or unsupported field (functions, suffix, ...) is a 400 that
+names it, never silently ignored. Range checks of sampling values live in
 backend.types.SamplingParams (one place); the schemas check types and the OpenAI-only rules.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from openai_frontend.errors import InvalidRequest
 
@@ -21,6 +21,37 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
 
 class SamplingFields(_Strict):
@@ -46,6 +77,14 @@ class SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, not used
+    # Output constraints (openai_frontend/constraints.py): OpenAI's response_format, vLLM's
+    # structured_outputs, and the older guided_* spellings clients still send. At most one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -73,20 +112,68 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """An assistant message's call of a tool (sent back by clients in follow-up turns)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # assistant (before content: content's check reads it)
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # tool
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_from_assistant(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _has_content(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return value
 
     def text(self) -> str:
         """Text parts are joined with a newline, as vLLM does."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -95,7 +182,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _unencodable_text(value: Any, path: str) -> str | None:

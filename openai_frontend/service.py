@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.types import InvalidRequestError, SamplingParams, StepOutput
-from openai_frontend.chat_template import render_chat
+from openai_frontend.chat_template import render_chat, template_reads_tools
+from openai_frontend.constraints import Constraint, request_constraint, tool_call_constraint
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.generation import Generation, Usage
 from openai_frontend.metrics import Metrics
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from openai_frontend.settings import Settings
+from openai_frontend.tool_calls import ToolCallStream, ToolPlan, forced_call_schema, template_messages, \
+    template_tools, tool_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,8 @@ class _Plan:
     continuous_usage: bool
     top_logprobs: int  # chat: how many alternatives to show per token
     arrival: float
+    constraint: Constraint | None = None  # the output constraint and the field it came from
+    tools: ToolPlan = ToolPlan("none")  # chat: how the output's tool calls are read
 
 
 class Service:
@@ -84,18 +89,19 @@ class Service:
                 raise InvalidRequest("echo is only supported for text prompts, not token ids", "echo")
             echo_texts = tuple(str(p) for p in prompts)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
-        params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        constraint = request_constraint(req)
+        params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint)
         include, continuous = _usage_options(req, force_usage)
         await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
         return _Plan(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompts, params, echo_texts,
-                     include, continuous, 0, arrival)
+                     include, continuous, 0, arrival, constraint)
 
     async def _completion_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
         gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
         n = plan.params.n
         offsets: dict[int, int] = {}  # per choice: characters of logprob tokens so far (text_offset)
         started: set[int] = set()
-        async with aclosing(gen.events()) as events:
+        async with aclosing(_named_errors(gen.events(), plan)) as events:
             async for p, out in events:
                 index = p * n + out.seq_index
                 text = out.text_delta
@@ -130,11 +136,17 @@ class Service:
                     acc = choices.setdefault(c["index"], {"index": c["index"],
                                                           "message": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None, "stop_reason": None})
-                    acc["message"]["content"] += c["delta"].get("content", "")
+                    message = acc["message"]
+                    message["content"] += c["delta"].get("content", "")
+                    for call in c["delta"].get("tool_calls", ()):
+                        _merge_tool_call(message.setdefault("tool_calls", []), call)
                     if c["logprobs"] is not None:
                         acc["logprobs"] = _extend_lists(acc["logprobs"], c["logprobs"])
                     if "role" not in c["delta"]:
                         acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c["stop_reason"]
+        for acc in choices.values():
+            if acc["message"].get("tool_calls") and not acc["message"]["content"]:
+                acc["message"]["content"] = None  # OpenAI: a message of calls only has no content
         return {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
@@ -149,37 +161,92 @@ class Service:
         if max_tokens is None:
             max_tokens = self.settings.chat_default_max_tokens
         top = req.top_logprobs or 0
-        params = _sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None)
+        try:
+            tools = tool_plan(req)
+        except LookupError as e:
+            raise InvalidRequest(str(e), "tool_choice") from None
+        constraint = request_constraint(req)
+        forced = forced_call_schema(tools)
+        if forced is not None:
+            if constraint is not None:
+                raise InvalidRequest(f"tool_choice {tools.mode!r} cannot be combined with {constraint.param}",
+                                     constraint.param)
+            constraint = tool_call_constraint(forced, "tools")
+        params = _sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
+                                  constraint=constraint)
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        prompt = render_chat(model, messages)
+        knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
+        messages = template_messages(req.messages, tools, knows_tools)
+        prompt = render_chat(model, messages, template_tools(tools) if knows_tools else None)
         return _Plan(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, (prompt,), params, None,
-                     include, continuous, top, arrival)
+                     include, continuous, top, arrival, constraint, tools)
 
     async def _chat_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
         gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
         n = plan.params.n
         first = True
-        async with aclosing(gen.events()) as events:
+        tool_streams: dict[int, ToolCallStream] = {}
+        async with aclosing(_named_errors(gen.events(), plan)) as events:
             async for p, out in events:
+                index = p * n + out.seq_index
                 if first:  # the role goes first, once per choice (after the engine accepted the request)
                     first = False
-                    for index in range(len(plan.prompts) * n):
-                        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    for i in range(len(plan.prompts) * n):
+                        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None, "stop_reason": None}
                         usage = Usage(gen.usage.prompt_tokens, 0) if plan.continuous_usage else None
                         yield _chunk(plan, "chat.completion.chunk", [role], usage)
                 logprobs = _chat_logprobs(out, plan.top_logprobs) if plan.params.logprobs is not None else None
                 finish = out.finish_reason.value if out.finish_reason else None
-                choice = {"index": p * n + out.seq_index, "delta": {"content": out.text_delta}, "logprobs": logprobs,
-                          "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
-                yield _chunk(plan, "chat.completion.chunk", [choice], gen.usage if plan.continuous_usage else None)
+                if plan.tools.active:
+                    stream = tool_streams.setdefault(index, ToolCallStream(plan.tools))
+                    deltas = stream.feed(out.text_delta) + (stream.finish() if finish else [])
+                    if finish == "stop" and stream.called and plan.tools.mode != "named":
+                        finish = "tool_calls"
+                else:
+                    deltas = [{"content": out.text_delta}]
+                usage = gen.usage if plan.continuous_usage else None
+                for delta in deltas[:-1]:
+                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None,
+                              "stop_reason": None}
+                    yield _chunk(plan, "chat.completion.chunk", [choice], usage)
+                if deltas or logprobs is not None or finish:
+                    choice = {"index": index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
+                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
+                    yield _chunk(plan, "chat.completion.chunk", [choice], usage)
         if plan.include_usage:
             yield _chunk(plan, "chat.completion.chunk", [], gen.usage)
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+async def _named_errors(events: AsyncIterator[tuple[int, StepOutput]], plan: _Plan
+                        ) -> AsyncIterator[tuple[int, StepOutput]]:
+    """The engine's events; an engine refusal of the constraint names the user's field (constraints.py)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    except InvalidRequest as e:
+        if plan.constraint is None:
+            raise
+        raise plan.constraint.rename(e) from None
+
+
+def _merge_tool_call(calls: list[dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Fold one streamed tool-call delta into the message's calls (header first, then arguments)."""
+    i = delta["index"]
+    while len(calls) <= i:
+        calls.append({"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+    call = calls[i]
+    if "id" in delta:
+        call["id"], call["type"] = delta["id"], delta["type"]
+    function = delta.get("function", {})
+    if "name" in function:
+        call["function"]["name"] = function["name"]
+    call["function"]["arguments"] += function.get("arguments", "")
 
 
 async def _primed(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -235,8 +302,10 @@ def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return tuple(out)
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     constraint: Constraint | None = None) -> SamplingParams:
     kwargs: dict[str, Any] = {"n": 1 if req.n is None else req.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                              "structured_outputs": constraint.spec if constraint else None,
                               "ignore_eos": bool(req.ignore_eos),
                               "include_stop_str_in_output": bool(req.include_stop_str_in_output),
                               "skip_special_tokens": req.skip_special_tokens is not False}

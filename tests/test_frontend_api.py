@@ -357,13 +357,14 @@ async def test_chat_defaults_and_rules() -> None:
         assert engine.calls[-1].params.max_tokens is None  # up to the context
         for extra, param in [({"top_logprobs": 2}, "top_logprobs"),
                              ({"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
-                             ({"response_format": {"type": "json_object"}}, "response_format.type"),
-                             ({"tools": [{"type": "function"}]}, "tools"),
+                             ({"response_format": {"type": "json_xml"}}, "response_format.type"),
+                             ({"tools": [{"type": "function"}]}, "tools.0.function"),
+                             ({"tool_choice": "required"}, "tool_choice"),
                              ({"temperature": 500}, "temperature")]:
             r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, **extra})
             assert r.status_code == 400, extra
             assert r.json()["error"]["param"] == param, r.json()
-        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "tool", "content": "x"}]})
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
         assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
         r = await client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})

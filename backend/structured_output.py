@@ -1,0 +1,197 @@
+"""Structured outputs: grammars compiled with xgrammar, one matcher per sequence, a token bitmask per step.
+
+What happens to a constrained request:
+1. `check(spec)` (when the request is made, on the caller's thread) parses the schema / regex /
+   grammar into an xgrammar `Grammar`; a bad one is an InvalidRequestError naming the field, before
+   any token is generated. It also starts compiling it.
+2. Compiling (the grammar against our vocabulary: which tokens each grammar state allows) runs on a
+   worker thread and is cached by the spec, so the engine thread never waits for it: the engine keeps
+   a request whose grammar is not ready out of the scheduler until `compiled(spec)` is done.
+3. Each sequence gets its own `GrammarMatcher` (n > 1 siblings each have one). Every step the
+   runner fills one bitmask row per constrained row (`TokenBitmask`), the sampler masks the processed
+   logits with it (logprobs stay the raw model's), and the output processor advances the matcher with
+   the sampled token. EOS is allowed only where the grammar may end; a matcher that has ended
+   (`is_terminated`) finishes its sequence with "stop".
+
+The matcher follows the sequence's own output tokens, which preemption by recompute keeps, so it
+needs no rollback. The vocabulary is the model's (its size may exceed the tokenizer's: the extra
+ids are never allowed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backend.types import InvalidRequestError, StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from backend.tokenizer import Tokenizer
+
+_CACHE_SIZE = 256  # compiled grammars kept (xgrammar's own compiler cache sits behind this one)
+# Whitespace between JSON tokens, when free whitespace is allowed: more than this in one place is
+# never useful output, and without a bound a small model can loop on newlines until max_tokens.
+MAX_JSON_WHITESPACE = 16
+_XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _xgr() -> Any:
+    # Imported on first use: it costs a second, and most engines (tests, benchmarks) never need it.
+    import xgrammar
+
+    return xgrammar
+
+
+def build_grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
+    """The spec as an xgrammar Grammar; InvalidRequestError (param `structured_outputs.<kind>`) if invalid."""
+    xgr = _xgr()
+    kind = spec.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace,
+                                                max_whitespace_cnt=None if spec.disable_any_whitespace
+                                                else MAX_JSON_WHITESPACE, strict_mode=True)
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            # vLLM's meaning: the output is exactly one of the strings (an alternation of literals).
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, kind)
+        raise InvalidRequestError(f"invalid {what}: {_xgrammar_message(e)}", f"structured_outputs.{kind}") from None
+
+
+def _ebnf_literal(text: str) -> str:
+    # JSON string escapes (\", \\, \n, \uXXXX) are what xgrammar's EBNF string literals accept.
+    return json.dumps(text, ensure_ascii=True) if text else '""'
+
+
+def _xgrammar_message(error: Exception) -> str:
+    """xgrammar's message without its C++ source location and timestamp."""
+    text = str(error).strip()
+    return _XGRAMMAR_LOCATION.sub("", text).strip() or type(error).__name__
+
+
+class StructuredOutputCompiler:
+    """Validates specs and compiles them off the engine thread, cached by spec (thread-safe)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._compiler: Future[Any] | None = None  # xgrammar.GrammarCompiler, built by the worker
+        self._compiled: OrderedDict[StructuredOutputs, Future[Any]] = OrderedDict()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raise InvalidRequestError if spec does not parse; start compiling it if it does."""
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return
+        grammar = build_grammar(spec)  # raises for a bad spec; cheap next to compiling
+        self._submit(spec, grammar)
+
+    def compiled(self, spec: StructuredOutputs) -> Future[xgrammar.CompiledGrammar]:
+        """The compilation of a checked spec (done at once on a cache hit)."""
+        with self._lock:
+            future = self._compiled.get(spec)
+        if future is None:  # evicted since it was checked
+            future = self._submit(spec, build_grammar(spec))
+        return future
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, spec: StructuredOutputs, grammar: xgrammar.Grammar) -> Future[Any]:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._executor.submit(self._make_compiler)
+            future = self._compiled.get(spec)
+            if future is None or (future.done() and future.exception() is not None):
+                compiler = self._compiler
+                future = self._executor.submit(lambda: compiler.result().compile_grammar(grammar))
+                self._compiled[spec] = future
+            self._compiled.move_to_end(spec)
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return future
+
+    def _make_compiler(self) -> xgrammar.GrammarCompiler:
+        xgr = _xgr()
+        from transformers import PreTrainedTokenizerFast
+
+        backend = self._tokenizer.backend
+        hf = PreTrainedTokenizerFast(tokenizer_object=type(backend).from_str(backend.to_str()))  # a copy: HF may change it
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=1)
+
+
+class GrammarState:
+    """One sequence's position in its grammar (wraps an xgrammar GrammarMatcher)."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+        self._matcher = _xgr().GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it (nothing changes then)."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (its stop token was accepted): nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBitmask:
+    """The allowed tokens of a step's constrained rows: bit t of row r set = token t allowed.
+
+    bitmask: (S, ceil(V / 32)) int32 over all S sampled rows; only `rows` are read.
+    """
+
+    bitmask: torch.Tensor
+    rows: tuple[int, ...]
+
+    @classmethod
+    def for_rows(cls, states: list[GrammarState | None], vocab_size: int) -> TokenBitmask | None:
+        """One row per sampled sequence (None: unconstrained); None when no row is constrained."""
+        rows = tuple(i for i, s in enumerate(states) if s is not None)
+        if not rows:
+            return None
+        bitmask = _xgr().allocate_token_bitmask(len(states), vocab_size)  # (S, ceil(V / 32)) int32, all allowed
+        for i in rows:
+            states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+        return cls(bitmask, rows)
+
+    def apply(self, logits: torch.Tensor, rows: list[int] | None = None) -> None:
+        """logits (S, V) fp32, in place: disallowed tokens of the constrained rows (or of `rows`) become -inf."""
+        _xgr().apply_token_bitmask_inplace(logits, self.bitmask, indices=list(self.rows) if rows is None else rows)
+
+    def allowed(self, row: int, vocab_size: int) -> torch.Tensor:
+        """(V,) bool: the tokens row `row` allows (tests and diagnostics)."""
+        words = self.bitmask[row].to(torch.int64) & 0xFFFFFFFF  # (ceil(V / 32),)
+        bits = (words[:, None] >> torch.arange(32)) & 1  # (ceil(V / 32), 32)
+        return bits.flatten()[:vocab_size].bool()
