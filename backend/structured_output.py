@@ -56,12 +56,12 @@ def build_grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
     xgr = _xgr()
     kind = spec.kind
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace,
+        if kind in ("json", "json_object"):
+            # json_object is any JSON object, as in OpenAI's API and vLLM's xgrammar backend.
+            schema = spec.json if kind == "json" else '{"type": "object"}'
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
                                                 max_whitespace_cnt=None if spec.disable_any_whitespace
                                                 else MAX_JSON_WHITESPACE, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":

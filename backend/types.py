@@ -49,7 +49,7 @@ class StructuredOutputs:
     """A constraint on what a sequence may generate (vLLM's `structured_outputs`): exactly one kind.
 
     - json: a JSON schema, held as JSON text (hashable, and its property order is kept: the output
-      follows it); json_object: any JSON object or array;
+      follows it); json_object: any JSON object;
     - regex: the whole output matches it; choice: the output is exactly one of the strings;
     - grammar: an EBNF grammar in xgrammar's dialect (GBNF-style `root ::= ...`).
     disable_any_whitespace: JSON without free whitespace between tokens (vLLM's flag).
