@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve perf genai-perf clean
+.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -39,6 +39,10 @@ bench-engine: cpu-kernels
 
 bench-serve: venv
 	$(PY) benchmarks/serve_bench.py
+
+# Output tok/s at concurrency 8 with a json_schema constraint against the same load without one (same run).
+bench-structured: cpu-kernels
+	$(PY) benchmarks/serve_bench.py --structured --concurrency 8 --requests 16 --skip-inprocess
 
 perf: venv
 	$(PY) -m scripts.perf_tools perf

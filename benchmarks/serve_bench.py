@@ -20,6 +20,12 @@ cross-checks them with the number of streamed chunks (one per token) and, like g
 re-tokenizing the streamed text. The ratio serving / in-process of output tokens/s is the cost of
 the HTTP + gRPC + Triton path (target: >= 0.9 at concurrency 8).
 
+--structured (`make bench-structured`): each serving level runs twice in the same run, first without a
+constraint, then with a json_schema response_format (an array of at least 20 person objects, so every
+output is still cut at max_tokens and both runs produce the same number of tokens) on fresh prompts;
+it prints constrained / unconstrained output tok/s (goal >= 0.85 at concurrency 8). One constrained
+request before the measurement compiles the schema (compiled grammars are cached by schema).
+
 Servers, engine and client all share the machine. The last line printed is one JSON object.
 """
 
@@ -142,6 +148,15 @@ def chat_prompt_text(tokenizer, content: str) -> str:
         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
 
 
+# --structured: long enough that max_tokens always cuts it, so both runs make the same number of tokens.
+PEOPLE_SCHEMA = {"type": "array", "minItems": 20, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]}},
+    "required": ["name", "age", "city"], "additionalProperties": False}}
+STRUCTURED_BODY = {"response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE_SCHEMA}}}
+
+
 def default_requests(concurrency: int) -> int:
     return max(4, 2 * concurrency)
 
@@ -194,7 +209,7 @@ async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: 
 
 
 async def run_serving_level(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                            chat: bool) -> list[RequestRecord]:
+                            chat: bool, extra_body: dict | None = None) -> list[RequestRecord]:
     import httpx
 
     url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
@@ -203,7 +218,7 @@ async def run_serving_level(base_url: str, model: str, prompts: list[str], max_t
 
     def payload(i: int) -> dict:
         body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **(extra_body or {})}
         if chat:
             body["messages"] = [{"role": "user", "content": prompts[i]}]
         else:
@@ -238,7 +253,9 @@ def serving_checks(records: list[RequestRecord], tokenizer, max_tokens: int, pro
     }
 
 
-def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_prompt_tokens: set[int]) -> dict[int, LevelResult]:
+def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_prompt_tokens: set[int],
+                constrained_workloads: dict[int, list[str]] | None = None) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
+    """The serving levels; with constrained_workloads, each level again with STRUCTURED_BODY (second dict)."""
     servers = []
     base_url = args.url
     if base_url is None:
@@ -260,19 +277,26 @@ def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_promp
     base_url = base_url.rstrip("/").removesuffix("/v1")
     chat = args.endpoint == "chat"
     results: dict[int, LevelResult] = {}
+    constrained: dict[int, LevelResult] = {}
     try:
         warm = make_prompts(tokenizer, 2, 16, seed=args.seed + 1000)
         asyncio.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))  # warm-up, not measured
+        if constrained_workloads:  # compiles the schema once, not measured
+            asyncio.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
         for c, prompts in workloads.items():
-            records = asyncio.run(run_serving_level(base_url, args.model, prompts, args.max_tokens, c, chat))
-            res = summarize(c, records)
-            res.extra = serving_checks(records, tokenizer, args.max_tokens, expected_prompt_tokens)
-            results[c] = res
-            print_level("serving", res)
+            for kind, extra_body, out in [("serving", None, results),
+                                          ("constrained", STRUCTURED_BODY, constrained)][:2 if constrained_workloads else 1]:
+                level_prompts = prompts if extra_body is None else constrained_workloads[c]
+                records = asyncio.run(run_serving_level(base_url, args.model, level_prompts, args.max_tokens, c, chat,
+                                                        extra_body))
+                res = summarize(c, records)
+                res.extra = serving_checks(records, tokenizer, args.max_tokens, expected_prompt_tokens)
+                out[c] = res
+                print_level(kind, res)
     finally:
         for s in servers:
             s.stop()
-    return results
+    return results, constrained
 
 
 # ------------------------------------------------------------------------------------------ in-process
@@ -351,6 +375,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt words")
     parser.add_argument("--salt", type=int, help="seed of each prompt's first %d words; default: random per run "
                         "(so a long-running server's prefix cache holds none of them); -1: no salt" % SALT_WORDS)
+    parser.add_argument("--structured", action="store_true", help="also run each serving level with a json_schema "
+                        "constraint and print the constrained / unconstrained ratio")
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-inprocess", action="store_true")
     args = parser.parse_args()
@@ -379,7 +405,13 @@ def main() -> None:
     engine_ids = {c: [tok.encode(t) for t in ts] for c, ts in engine_texts.items()}
     expected_prompt_tokens = {len(ids) for ids in (i for v in engine_ids.values() for i in v)}
 
-    serving = {} if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens)
+    constrained_texts = None
+    if args.structured:  # fresh prompts, so the constrained run finds none of them in the prefix cache
+        constrained_texts = {c: make_prompts(tok, len(ts), args.prompt_tokens, args.seed + 500 + k,
+                                             None if salt is None else salt + 500 + k)
+                             for k, (c, ts) in enumerate(texts.items())}
+    serving, constrained = ({}, {}) if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens,
+                                                                          constrained_texts)
     inproc = {} if args.skip_inprocess else run_inprocess(args, checkpoint, engine_ids)
 
     ratios = {c: serving[c].output_tok_s / inproc[c].output_tok_s for c in args.concurrency
@@ -392,7 +424,17 @@ def main() -> None:
             s, i = serving[c], inproc[c]
             print(f"| {c} | {s.output_tok_s:.1f} | {i.output_tok_s:.1f} | {ratio:.2f} | {s.ttft_ms_p50:.0f} | "
                   f"{i.ttft_ms_p50:.0f} | {s.itl_ms_p50:.1f} | {i.itl_ms_p50:.1f} |")
+    structured = {c: constrained[c].output_tok_s / serving[c].output_tok_s for c in constrained}
+    if structured:
+        print("\n| concurrency | unconstrained tok/s | json_schema tok/s | ratio | unconstrained ITL p50 ms "
+              "| json_schema ITL p50 ms |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for c, ratio in structured.items():
+            s, k = serving[c], constrained[c]
+            print(f"| {c} | {s.output_tok_s:.1f} | {k.output_tok_s:.1f} | {ratio:.2f} | {s.itl_ms_p50:.1f} | "
+                  f"{k.itl_ms_p50:.1f} |")
     checks = {c: r.extra for c, r in serving.items()}
+    checks.update({f"{c}-constrained": r.extra for c, r in constrained.items()})
     for c, ch in checks.items():
         if not (ch["usage_equals_max_tokens"] and ch["chunks_equal_usage"]) or ch["errors"]:
             print(f"WARNING c={c}: token counts disagree or requests failed: {ch}", flush=True)
@@ -412,6 +454,8 @@ def main() -> None:
         "inprocess": {str(c): level_dict(r) for c, r in inproc.items()},
         "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
         "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
+        "constrained": {str(c): level_dict(r) for c, r in constrained.items()},
+        "structured_ratio": {str(c): round(v, 3) for c, v in structured.items()},
         "token_checks": {str(c): {k: (round(v, 2) if isinstance(v, float) else v) for k, v in ch.items()}
                          for c, ch in checks.items()},
     }))
