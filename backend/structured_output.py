@@ -96,10 +96,6 @@ class StructuredOutputCompiler:
         self._compiler: Future[Any] | None = None  # xgrammar.GrammarCompiler, built by the worker
         self._compiled: OrderedDict[StructuredOutputs, Future[Any]] = OrderedDict()
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def check(self, spec: StructuredOutputs) -> None:
         """Raise InvalidRequestError if spec does not parse; start compiling it if it does."""
         with self._lock:
@@ -116,9 +112,6 @@ class StructuredOutputCompiler:
         if future is None:  # evicted since it was checked
             future = self._submit(spec, build_grammar(spec))
         return future
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, spec: StructuredOutputs, grammar: xgrammar.Grammar) -> Future[Any]:
         with self._lock:

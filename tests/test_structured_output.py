@@ -5,8 +5,10 @@ can make its output valid: every validity assertion here fails if enforcement br
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -160,3 +162,29 @@ def test_abort_while_the_grammar_compiles_ends_the_request(engine):
     per_seq = check_stream_invariants(outputs, {"slow": 2})
     assert [msgs[-1].finish_reason for msgs in per_seq.values()] == [FinishReason.ABORT] * 2
     assert not engine.has_work() and engine.block_manager.stats().used == 0
+
+
+def test_a_compiling_grammar_stalls_no_other_request(monkeypatch):
+    engine = tiny_engine()
+    release = threading.Event()
+    compiler = engine.structured_outputs
+    real_compiled = compiler.compiled
+
+    def gated(spec):  # the grammar is "compiled" only when the test releases it
+        future, gate = real_compiled(spec), concurrent.futures.Future()
+        threading.Thread(target=lambda: (release.wait(30), gate.set_result(future.result())), daemon=True).start()
+        return gate
+
+    monkeypatch.setattr(compiler, "compiled", gated)
+    engine.add_request(engine.make_request("phone", "Hi", SamplingParams.from_dict(
+        {"max_tokens": 20, "structured_outputs": {"regex": r"\d{3}-\d{4}"}})))
+    engine.add_request(engine.make_request("free", "Hi", SamplingParams.from_dict({"max_tokens": 5, "ignore_eos": True})))
+    outputs = []
+    while not any(o.request_id == "free" and o.request_finished for o in outputs):
+        outputs.extend(engine.step())
+    assert all(o.request_id == "free" for o in outputs)  # the free request ran to its end meanwhile
+    assert engine.stats().num_waiting == 1
+    release.set()
+    outputs = run_to_completion(engine)
+    (msgs,) = check_stream_invariants(outputs, {"phone": 1}).values()
+    assert re.fullmatch(r"\d{3}-\d{4}", "".join(m.text_delta for m in msgs))

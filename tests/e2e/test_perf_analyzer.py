@@ -40,6 +40,7 @@ def test_perf_analyzer_streams_the_input_data(servers, tmp_path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Request concurrency: 2" in result.stdout
 
+    assert export.is_file() and export.stat().st_size > 0, "empty export:\n" + result.stdout + result.stderr
     max_tokens = SamplingParams.from_json(json.loads(PERF_INPUT.read_text())["data"][0]["sampling_params"][0]).max_tokens
     (experiment,) = json.loads(export.read_text())["experiments"]
     assert len(experiment["requests"]) == requests
