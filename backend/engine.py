@@ -118,8 +118,11 @@ class LLMEngine:
                 f"max_tokens is too large: {params.max_tokens}. This model's context is {max_len} tokens and "
                 f"the prompt is {len(token_ids)} tokens ({params.max_tokens} > {max_len} - {len(token_ids)})",
                 "max_tokens", "context_length_exceeded")
-        if any(t >= vocab for t, _ in params.logit_bias) or any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", "logit_bias")
+        for field_name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{field_name} holds token id {bad}, outside the vocabulary "
+                                          f"(size {vocab}: ids 0..{vocab - 1})", field_name)
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
         if params.structured_outputs is not None:

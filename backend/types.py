@@ -162,7 +162,8 @@ class SamplingParams:
         _require(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
         _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer", "top_k")
         _require(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
-        _require(self.seed is None or isinstance(self.seed, int), "seed must be an integer", "seed")
+        _require(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+                 "seed must be an integer in the signed 64-bit range", "seed")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
         _require(

@@ -1,7 +1,8 @@
 """Pydantic request schemas of the OpenAI API subset we serve.
 
-`extra="forbid"` everywhere: an unknown or unsupported field (functions, suffix, ...) is a 400 that
-names it, never silently ignored. Range checks of sampling values live in
+`extra="forbid"` everywhere but inside chat messages: an unknown or unsupported field (functions,
+suffix, ...) is a 400 that names it, never silently ignored. Inside a message unknown fields are
+ignored (vLLM's rule), because clients send back OpenAI's own response fields there. Range checks of sampling values live in
 backend.types.SamplingParams (one place); the schemas check types and the OpenAI-only rules.
 """
 
@@ -125,7 +126,11 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(BaseModel):
+    # Unknown fields inside a message are ignored, as vLLM does: clients send assistant messages back
+    # with fields of OpenAI's responses (refusal, annotations, audio, reasoning_content, ...).
+    model_config = ConfigDict(extra="ignore")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCall] | None = None  # assistant (before content: content's check reads it)
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)

@@ -281,7 +281,8 @@ def _usage_options(req: SamplingFields, force: bool) -> tuple[bool, bool]:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
     opts = req.stream_options
-    return force or bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    # Per-chunk usage only when usage is asked for at all (OpenAI's and vLLM's rule).
+    return force or bool(opts and opts.include_usage), bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | tuple[int, ...], ...]:

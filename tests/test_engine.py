@@ -85,6 +85,16 @@ def test_context_limits():
     assert msgs[-1].finish_reason is FinishReason.LENGTH and msgs[-1].num_prompt_tokens + len(tokens(msgs)) == 32
 
 
+def test_out_of_vocabulary_token_ids_name_the_id_the_vocabulary_and_the_field(engine):
+    vocab = engine.runtime.vocab_size
+    for field_name, params in [("stop_token_ids", SamplingParams(stop_token_ids=(5, vocab + 7))),
+                               ("logit_bias", SamplingParams(logit_bias=((vocab + 7, 1.0),)))]:
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.make_request("oov", PROMPT, params)
+        assert refused.value.param == field_name
+        assert str(vocab + 7) in refused.value.message and str(vocab) in refused.value.message
+
+
 def test_abort_frees_blocks_at_once_and_ends_every_sequence(engine):
     engine.add_request(engine.make_request("x", PROMPT, SamplingParams(n=3, max_tokens=50, ignore_eos=True)))
     first = engine.step() + engine.step()

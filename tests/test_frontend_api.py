@@ -166,6 +166,38 @@ async def test_continuous_usage_stats() -> None:
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
 
 
+async def test_continuous_usage_stats_without_include_usage_sends_no_usage() -> None:
+    for path, body in [("/v1/completions", {"prompt": "a b"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
+        events = await stream(FakeEngineClient(), path, {
+            **body, "n": 2, "max_tokens": 3, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+        assert events and all("usage" not in e for e in events) and all(e["choices"] for e in events)
+
+
+async def test_seed_outside_the_signed_64_bit_range_is_a_400() -> None:
+    engine = FakeEngineClient()
+    async with make_client(engine) as client:
+        for seed, status in [(2**63 - 1, 200), (-(2**63), 200), (2**63, 400), (-(2**63) - 1, 400)]:
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "seed": seed})
+            assert r.status_code == status, (seed, r.text)
+            if status == 400:
+                assert r.json()["error"]["param"] == "seed"
+
+
+async def test_unknown_fields_inside_messages_are_ignored_but_not_at_the_top() -> None:
+    engine = FakeEngineClient()
+    messages = [{"role": "user", "content": "Hi", "extra_field": 0},
+                {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None,
+                 "function_call": None, "reasoning_content": "thought"},
+                {"role": "user", "content": "Again"}]
+    async with make_client(engine) as client:
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert r.status_code == 200, r.text
+        assert "thought" not in engine.calls[0].prompt
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "extra_field": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_field"
+
+
 async def test_chat_continuous_usage_counts_only_what_was_sent() -> None:
     engine = FakeEngineClient()
     events = await stream(engine, "/v1/chat/completions", {
