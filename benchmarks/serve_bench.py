@@ -363,6 +363,20 @@ def print_level(kind: str, r: LevelResult) -> None:
           f"ITL p50 {r.itl_ms_p50:.1f} p95 {r.itl_ms_p95:.1f} ms", flush=True)
 
 
+def print_ratios(names: tuple[str, str], a: dict[int, LevelResult], b: dict[int, LevelResult]) -> dict[int, float]:
+    """Per concurrency in both: a's / b's output tok/s, printed as a markdown table with the p50 latencies."""
+    ratios = {c: a[c].output_tok_s / b[c].output_tok_s for c in a if c in b}
+    if ratios:
+        x, y = names
+        print(f"\n| concurrency | {x} tok/s | {y} tok/s | ratio | {x} TTFT p50 ms | {y} TTFT p50 ms "
+              f"| {x} ITL p50 ms | {y} ITL p50 ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for c, ratio in ratios.items():
+            print(f"| {c} | {a[c].output_tok_s:.1f} | {b[c].output_tok_s:.1f} | {ratio:.2f} | {a[c].ttft_ms_p50:.0f} | "
+                  f"{b[c].ttft_ms_p50:.0f} | {a[c].itl_ms_p50:.1f} | {b[c].itl_ms_p50:.1f} |")
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running frontend (http://127.0.0.1:9000); default: start our own servers")
@@ -414,25 +428,8 @@ def main() -> None:
                                                                           constrained_texts)
     inproc = {} if args.skip_inprocess else run_inprocess(args, checkpoint, engine_ids)
 
-    ratios = {c: serving[c].output_tok_s / inproc[c].output_tok_s for c in args.concurrency
-              if c in serving and c in inproc}
-    if ratios:
-        print("\n| concurrency | serving tok/s | in-process tok/s | ratio | serving TTFT p50 ms | in-process TTFT p50 ms "
-              "| serving ITL p50 ms | in-process ITL p50 ms |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for c, ratio in ratios.items():
-            s, i = serving[c], inproc[c]
-            print(f"| {c} | {s.output_tok_s:.1f} | {i.output_tok_s:.1f} | {ratio:.2f} | {s.ttft_ms_p50:.0f} | "
-                  f"{i.ttft_ms_p50:.0f} | {s.itl_ms_p50:.1f} | {i.itl_ms_p50:.1f} |")
-    structured = {c: constrained[c].output_tok_s / serving[c].output_tok_s for c in constrained}
-    if structured:
-        print("\n| concurrency | unconstrained tok/s | json_schema tok/s | ratio | unconstrained ITL p50 ms "
-              "| json_schema ITL p50 ms |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for c, ratio in structured.items():
-            s, k = serving[c], constrained[c]
-            print(f"| {c} | {s.output_tok_s:.1f} | {k.output_tok_s:.1f} | {ratio:.2f} | {s.itl_ms_p50:.1f} | "
-                  f"{k.itl_ms_p50:.1f} |")
+    ratios = print_ratios(("serving", "in-process"), serving, inproc)
+    structured = print_ratios(("json_schema", "unconstrained"), constrained, serving)
     checks = {c: r.extra for c, r in serving.items()}
     checks.update({f"{c}-constrained": r.extra for c, r in constrained.items()})
     for c, ch in checks.items():
