@@ -188,3 +188,21 @@ def test_a_compiling_grammar_stalls_no_other_request(monkeypatch):
     outputs = run_to_completion(engine)
     (msgs,) = check_stream_invariants(outputs, {"phone": 1}).values()
     assert re.fullmatch(r"\d{3}-\d{4}", "".join(m.text_delta for m in msgs))
+
+
+def test_the_forced_call_schema_of_several_tools_yields_valid_calls(engine):
+    from openai_frontend.schemas import Tool
+    from openai_frontend.tool_calls import ToolPlan, forced_call_schema, parse_call_list
+
+    tools = tuple(Tool.model_validate(t) for t in [
+        {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}}},
+        {"type": "function", "function": {"name": "now"}}])
+    schema = forced_call_schema(ToolPlan("required", tools, None, parallel=False))
+    texts, _ = run(engine, {"calls": {"n": 4, "max_tokens": 80, "temperature": 1.0, "seed": 3,
+                                      "structured_outputs": {"json": schema}}})
+    for text in texts.values():
+        (call,) = parse_call_list(text)
+        assert call.name in ("add", "now")
+        if call.name == "add":
+            assert 0 <= json.loads(call.arguments)["x"] <= 9
