@@ -99,7 +99,7 @@ def test_bitmask_masks_only_the_constrained_rows_and_logprobs_stay_raw():
 def test_kinds_are_enforced_on_a_random_model_with_n3_siblings(engine):
     regex = r"\d{3}-\d{4}"
     texts, per_seq = run(engine, {
-        "json": {"n": 3, "max_tokens": 120, "temperature": 1.0, "seed": 1, "structured_outputs": {"json": PERSON}},
+        "json": {"n": 3, "max_tokens": 300, "temperature": 1.0, "seed": 1, "structured_outputs": {"json": PERSON}},
         "regex": {"n": 3, "max_tokens": 20, "temperature": 1.0, "seed": 2, "structured_outputs": {"regex": regex}},
         "choice": {"n": 3, "max_tokens": 20, "temperature": 1.0, "seed": 3,
                    "structured_outputs": {"choice": ["alpha", "beta \"quoted\"", "gamma\n"]}},

@@ -28,6 +28,9 @@ WEATHER = {"type": "function", "function": {
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Room for the longest output these schemas allow (bounded strings, and free JSON whitespace is capped at 16
+# characters per place), so a sampled output is never cut short: finish_reason must be "stop".
+MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def json_schema_format(schema):
 def test_json_schema_at_temperature_1_with_n2_always_validates(client, servers):
     def one(i):
         r = client.chat.completions.create(model=servers.model, messages=ASK_PERSON, n=2, temperature=1.0,
-                                           max_tokens=120, seed=i, response_format=json_schema_format(PERSON))
+                                           max_tokens=MAX_TOKENS, seed=i, response_format=json_schema_format(PERSON))
         return [(c.message.content, c.finish_reason) for c in r.choices]
 
     with ThreadPoolExecutor(4) as pool:
@@ -68,13 +71,13 @@ def test_regex_choice_grammar_and_json_object(client, servers):
     r = client.completions.create(model=servers.model, prompt="SQL:", max_tokens=30, temperature=1.0, n=2,
                                   extra_body={"structured_outputs": {"grammar": grammar}})
     assert all(re.fullmatch(r"SELECT (id|name) FROM (users|orders)", c.text) for c in r.choices), r.choices
-    r = client.chat.completions.create(model=servers.model, messages=ASK_PERSON, temperature=0.0, max_tokens=120,
+    r = client.chat.completions.create(model=servers.model, messages=ASK_PERSON, temperature=0.0, max_tokens=MAX_TOKENS,
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_streamed_constrained_output_equals_the_non_streamed(client, servers):
-    kwargs = dict(model=servers.model, messages=ASK_PERSON, temperature=0.0, max_tokens=120,
+    kwargs = dict(model=servers.model, messages=ASK_PERSON, temperature=0.0, max_tokens=MAX_TOKENS,
                   response_format=json_schema_format(PERSON))
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
@@ -87,8 +90,9 @@ def test_streamed_constrained_output_equals_the_non_streamed(client, servers):
                                                  ({"type": "function", "function": {"name": "get_weather"}}, "stop")])
 def test_forced_tool_calls_always_validate_and_stream_identically(client, servers, tool_choice, finish):
     params = WEATHER["function"]["parameters"]
+    # One call per choice (parallel calls off), so MAX_TOKENS always holds it: every choice must end with a valid call.
     r = client.chat.completions.create(model=servers.model, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice,
-                                       n=4, temperature=1.0, max_tokens=80)
+                                       n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=7, parallel_tool_calls=False)
     for choice in r.choices:
         assert choice.finish_reason == finish and choice.message.content is None
         (call,) = choice.message.tool_calls
@@ -161,7 +165,7 @@ def test_invalid_constraints_are_400s(servers, body, param):
 def test_constrained_and_free_requests_mixed_at_concurrency_8(client, servers):
     def constrained(i):
         r = client.chat.completions.create(model=servers.model, messages=ASK_PERSON, temperature=1.0, seed=100 + i,
-                                           max_tokens=120, response_format=json_schema_format(PERSON), stream=True,
+                                           max_tokens=MAX_TOKENS, response_format=json_schema_format(PERSON), stream=True,
                                            stream_options={"include_usage": True})
         text, usage = "", None
         for chunk in r:
