@@ -20,6 +20,8 @@ generation would have ended, and it does not depend on how the text was split in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class StopStringMatcher:
     def __init__(self, stops: tuple[str, ...], include_stop: bool) -> None:
@@ -81,17 +83,22 @@ class StopStringMatcher:
         return end + neg_length, stop
 
     def _partial_stop_length(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of some stop string."""
-        if not buffer:
-            return 0
-        last = buffer[-1]
-        longest = 0
-        for stop in self._stops:
-            # candidate lengths k end on a position of `last` in stop[:len(stop) - 1]; try them longest first
-            j = stop.rfind(last, 0, min(len(stop) - 1, len(buffer)))
-            while j + 1 > longest:
-                if buffer.endswith(stop[: j + 1]):
-                    longest = j + 1
-                    break
-                j = stop.rfind(last, 0, j)
-        return longest
+        return partial_prefix_length(buffer, self._stops)
+
+
+def partial_prefix_length(buffer: str, stops: Iterable[str]) -> int:
+    """Length of the longest suffix of buffer that is a proper prefix of some string of `stops`
+    (what streamed text must hold back while it may still become one of them)."""
+    if not buffer:
+        return 0
+    last = buffer[-1]
+    longest = 0
+    for stop in stops:
+        # candidate lengths k end on a position of `last` in stop[:len(stop) - 1]; try them longest first
+        j = stop.rfind(last, 0, min(len(stop) - 1, len(buffer)))
+        while j + 1 > longest:
+            if buffer.endswith(stop[: j + 1]):
+                longest = j + 1
+                break
+            j = stop.rfind(last, 0, j)
+    return longest

@@ -41,6 +41,13 @@ def _require(ok: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param)
 
 
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str, param_prefix: str) -> None:
+    """Wire objects name only fields of their dataclass: an unknown one is an error, not ignored."""
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise InvalidRequestError(f"unknown {what}: {', '.join(unknown)}", param_prefix + unknown[0])
+
+
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -85,11 +92,7 @@ class StructuredOutputs:
         """From the wire's JSON object; `json` may be a schema object or its JSON text."""
         if not isinstance(data, dict):
             raise InvalidRequestError("structured_outputs must be a JSON object", "structured_outputs")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}",
-                                      f"structured_outputs.{unknown[0]}")
+        _refuse_unknown(cls, data, "structured_outputs field(s)", "structured_outputs.")
         kwargs = {k: v for k, v in data.items() if v is not None}
         if "json" in kwargs:
             kwargs["json"] = schema_text(kwargs["json"], "structured_outputs.json")
@@ -204,10 +207,7 @@ class SamplingParams:
         """Build from the JSON object of the wire contract; unknown fields are an error, not ignored."""
         if not isinstance(data, dict):
             raise InvalidRequestError("sampling_params must be a JSON object", "sampling_params")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
+        _refuse_unknown(cls, data, "sampling parameter(s)", "")
         kwargs = dict(data)
         if "stop" in kwargs:
             stop = kwargs["stop"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from backend.types import InvalidRequestError, StructuredOutputs, schema_text
+from backend.types import STRUCTURED_OUTPUT_KINDS, InvalidRequestError, StructuredOutputs
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import SamplingFields
 
@@ -42,7 +42,7 @@ def request_constraint(req: SamplingFields) -> Constraint | None:
         found.append(("response_format.json_schema.schema", {"json": schema}))
     if req.structured_outputs is not None:
         so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False)]
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) not in (None, False)]
         found.append((f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else "structured_outputs", so))
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(req, f"guided_{kind}")
@@ -64,8 +64,6 @@ def tool_call_constraint(spec_schema: dict[str, Any], param: str) -> Constraint:
 
 def _spec(data: dict[str, Any], param: str) -> StructuredOutputs:
     try:
-        if "json" in data:
-            data = {**data, "json": schema_text(data["json"], param)}
         return StructuredOutputs.from_dict(data)
     except InvalidRequestError as e:
         raise InvalidRequest(e.message, param) from None

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.stop_strings import partial_prefix_length
 from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -61,7 +62,7 @@ class ToolPlan:
 
 
 def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
-    """The request's tool mode; raises ValueError (with the field) for a choice that names no tool."""
+    """The request's tool mode; raises LookupError for a tool_choice that names no tool or has no tools."""
     tools = tuple(req.tools or ())
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     parallel = req.parallel_tool_calls is not False
@@ -218,7 +219,7 @@ class ToolCallStream:
             return []
         start = self._text.find(CALL_OPEN)
         # Release what cannot be part of a call: up to the tag, or up to a possible start of one.
-        limit = start if start >= 0 else len(self._text) - _partial_tag(self._text)
+        limit = start if start >= 0 else len(self._text) - partial_prefix_length(self._text, (CALL_OPEN,))
         return self._release(limit)
 
     def finish(self) -> list[dict[str, Any]]:
@@ -245,10 +246,3 @@ class ToolCallStream:
         text, self._released = self._text[self._released:limit], limit
         return [{"content": text}]
 
-
-def _partial_tag(text: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of the call tag."""
-    for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
