@@ -45,7 +45,7 @@ _XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) i
 
 
 def _xgr() -> Any:
-    # Imported on first use: it costs a second, and most engines (tests, benchmarks) never need it.
+    # Imported on first use: the import is slow, and most engines (tests, benchmarks) never need it.
     import xgrammar
 
     return xgrammar
