@@ -171,11 +171,11 @@ class LLMEngine:
         self._admit_compiled()
         batch = self.scheduler.schedule()
         try:
-            sampled = self.runner.execute(batch)
+            result = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             return self._pending_outputs() + self._fail_batch(batch, exc)
-        outputs = self._pending_outputs() + self.output_processor.process_tokens(sampled)
-        self._generation_tokens += len(sampled)
+        outputs = self._pending_outputs() + self.output_processor.process(result)
+        self._generation_tokens += len(result.sampled)
         return outputs
 
     def _admit_compiled(self) -> None:

@@ -7,14 +7,34 @@ an explicit AttentionMetadata (no globals).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.llama import LlamaForCausalLM
-from backend.sampler import SampledToken, Sampler, SamplingRow, make_generator
-from backend.scheduler import SchedulerOutput
+from backend.sampler import SampledToken, Sampler, SamplingRow, TokenScore, make_generator, score_tokens
+from backend.scheduler import ScheduledSequence, SchedulerOutput
 from backend.sequence import Sequence
 from backend.structured_output import TokenBitmask
+
+
+SCORE_ROWS = 64  # prompt positions scored per logits matrix: bounds the (rows, vocab) memory of a long prompt
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Scores of some prompt tokens of one sequence, computed in one step (one prefill chunk)."""
+
+    seq: Sequence
+    first_position: int  # prompt position of scores[0]'s token (>= 1)
+    scores: list[TokenScore]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: list[tuple[Sequence, SampledToken]] = field(default_factory=list)  # one per sequence that samples
+    prompt_scores: list[PromptScores] = field(default_factory=list)  # for sequences that asked for prompt logprobs
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -48,15 +68,16 @@ class ModelRunner:
             self.decode_forward = compiled_decode.compile_decode_forward(model)
             compiled_decode.warm_up(self.decode_forward, self.kv_caches, block_size, self.zero_slot)
 
-    def execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
-        """Computes the scheduled tokens; returns one sampled token per sequence that samples."""
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Computes the scheduled tokens; returns one sampled token per sequence that samples, and the
+        scores of the prompt tokens this step covered for sequences that asked for prompt logprobs."""
         with self._grad_mode():
             return self._execute(batch)
 
-    def _execute(self, batch: SchedulerOutput) -> list[tuple[Sequence, SampledToken]]:
+    def _execute(self, batch: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(batch.blocks_to_copy)
         if not batch.scheduled:
-            return []
+            return RunnerOutput()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -100,14 +121,37 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        output = RunnerOutput(prompt_scores=self._score_prompts(batch.scheduled, hidden, query_start_loc))
         if not sampling_seqs:
-            return []
+            return output
         logits = self.model.compute_logits(hidden[sample_rows])  # (entries, vocab) fp32
         if len(row_of_seq) != len(sample_rows):
             logits = logits[torch.tensor(row_of_seq, device=dev)]  # (sequences, vocab): siblings read the leader's row
         rows = [self._sampling_row(seq) for seq in sampling_seqs]
         allowed = TokenBitmask.for_rows([seq.grammar for seq in sampling_seqs], logits.shape[1])
-        return list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows, allowed)))
+        output.sampled = list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows, allowed)))
+        return output
+
+    def _score_prompts(self, entries: tuple[ScheduledSequence, ...], hidden: torch.Tensor,
+                       query_start_loc: list[int]) -> list[PromptScores]:
+        """For each entry that asked for prompt logprobs: the row of position p scores prompt token p + 1."""
+        out = []
+        for entry, row0 in zip(entries, query_start_loc):
+            seq = entry.seq
+            if seq.params.prompt_logprobs is None or seq.num_output_tokens:
+                continue
+            start = entry.start_position
+            end = min(start + entry.num_new_tokens, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+            if end <= start:
+                continue
+            targets = torch.tensor(seq.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            scores: list[TokenScore] = []
+            for i in range(0, end - start, SCORE_ROWS):
+                rows = hidden[row0 + i : row0 + min(i + SCORE_ROWS, end - start)]  # (R, hidden)
+                logits = self.model.compute_logits(rows).float().cpu()  # (R, vocab)
+                scores += score_tokens(logits, targets[i : i + rows.shape[0]].cpu(), seq.params.prompt_logprobs)
+            out.append(PromptScores(seq, start + 1, scores))
+        return out
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         if seq.generator is None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backend.detokenizer import IncrementalDetokenizer
+from backend.model_runner import PromptScores, RunnerOutput
 from backend.sampler import SampledToken
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.stop_strings import StopStringMatcher
 from backend.tokenizer import Tokenizer
-from backend.types import FinishReason, StepOutput, TokenLogprobs
+from backend.types import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -49,9 +50,12 @@ class OutputProcessor:
             )
         self.requests[request_id] = RequestState(request_id, list(sequences))
 
-    def process_tokens(self, sampled: list[tuple[Sequence, SampledToken]]) -> list[StepOutput]:
-        """One message per (sequence, new token), in the order the tokens were sampled."""
-        return [self._on_token(seq, tok) for seq, tok in sampled]
+    def process(self, output: RunnerOutput) -> list[StepOutput]:
+        """One message per (sequence, new token), in the order the tokens were sampled. Prompt scores
+        are kept on their sequence until it samples: its first message carries them all."""
+        for chunk in output.prompt_scores:
+            self._keep_prompt_scores(chunk)
+        return [self._on_token(seq, tok) for seq, tok in output.sampled]
 
     def abort_sequences(self, sequences: list[Sequence]) -> list[StepOutput]:
         """A last, token-less message for each sequence the abort ended."""
@@ -59,6 +63,36 @@ class OutputProcessor:
 
     def drop_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    @staticmethod
+    def _keep_prompt_scores(chunk: PromptScores) -> None:
+        seq = chunk.seq
+        if seq.prompt_scores is None:
+            seq.prompt_scores = [None] * (seq.num_prompt_tokens - 1)
+        # By position: a sequence preempted mid-prompt scores the same positions again when it recomputes.
+        seq.prompt_scores[chunk.first_position - 1 : chunk.first_position - 1 + len(chunk.scores)] = chunk.scores
+
+    def _prompt_logprobs(self, seq: Sequence) -> PromptLogprobs:
+        """The request's prompt logprobs, built once from its leader's scores (siblings share them)."""
+        leader = seq.fork_leader or seq
+        if leader.prompt_logprobs is None:
+            scores = leader.prompt_scores or []
+            assert len(scores) == leader.num_prompt_tokens - 1 and all(s is not None for s in scores), \
+                "a sequence sampled before every prompt token was scored"
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+            texts = [detok.add_token(t) for t in leader.prompt_token_ids]
+            texts[-1] += detok.flush()
+            leader.prompt_logprobs = PromptLogprobs(
+                token_ids=leader.prompt_token_ids,
+                token_texts=tuple(texts),
+                logprobs=tuple(s.logprob for s in scores),
+                ranks=tuple(s.rank for s in scores),
+                top_token_ids=tuple(s.top_token_ids for s in scores),
+                top_logprobs=tuple(s.top_logprobs for s in scores),
+                top_token_texts=tuple(tuple(self.tokenizer.token_text(t) for t in s.top_token_ids) for s in scores),
+            )
+            leader.prompt_scores = None
+        return leader.prompt_logprobs
 
     def _on_token(self, seq: Sequence, tok: SampledToken) -> StepOutput:
         seq.append_token(tok.token_id)
@@ -106,12 +140,16 @@ class OutputProcessor:
                 top_logprobs=(tok.top_logprobs,),
                 top_token_texts=(tuple(self.tokenizer.token_text(t) for t in tok.top_token_ids),),
             )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and seq.next_step == 0:
+            prompt_logprobs = self._prompt_logprobs(seq)
         if finish is not None:
-            return self._finish_message(seq, (tok.token_id,), text, logprobs, finish, stop_reason)
-        return self._message(seq, (tok.token_id,), text, logprobs, None, None, False)
+            return self._finish_message(seq, (tok.token_id,), text, logprobs, finish, stop_reason, prompt_logprobs)
+        return self._message(seq, (tok.token_id,), text, logprobs, None, None, False, prompt_logprobs)
 
     def _finish_message(self, seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
-                        finish: FinishReason, stop_reason: str | int | None) -> StepOutput:
+                        finish: FinishReason, stop_reason: str | int | None,
+                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
         seq.finish_reason = finish
         self.scheduler.finish(seq)
         state = self.requests[seq.request_id]
@@ -119,11 +157,12 @@ class OutputProcessor:
         request_finished = state.num_unfinished == 0
         if request_finished:
             del self.requests[seq.request_id]
-        return self._message(seq, token_ids, text, logprobs, finish, stop_reason, request_finished)
+        return self._message(seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs)
 
     @staticmethod
     def _message(seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
-                 finish: FinishReason | None, stop_reason: str | int | None, request_finished: bool) -> StepOutput:
+                 finish: FinishReason | None, stop_reason: str | int | None, request_finished: bool,
+                 prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
         step = seq.next_step
         seq.next_step += 1
         return StepOutput(
@@ -138,4 +177,5 @@ class OutputProcessor:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             request_finished=request_finished,
+            prompt_logprobs=prompt_logprobs,
         )

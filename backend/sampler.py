@@ -78,6 +78,36 @@ class SampledToken:
     top_logprobs: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class TokenScore:
+    """How likely the model found a given token (a prompt token) at one position."""
+
+    logprob: float  # raw log_softmax of the token
+    rank: int  # 1 + the number of tokens the model found more likely
+    top_token_ids: tuple[int, ...] = ()  # the k most likely tokens at the position, most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenScore]:
+    """logits (R, V) of R positions, token_ids (R,) the token that followed each -> one TokenScore per row.
+
+    Same arithmetic as the sampled tokens' logprobs (`_with_logprobs`), so a token that is the most
+    likely has exactly the logprob of the top-1 alternative.
+    """
+    raw = logits.float()  # (R, V)
+    log_norm = raw.logsumexp(dim=-1, keepdim=True)  # (R, 1)
+    chosen = raw.gather(1, token_ids[:, None])  # (R, 1)
+    logprobs = (chosen - log_norm).squeeze(1).tolist()  # (R,)
+    ranks = ((raw > chosen).sum(dim=1) + 1).tolist()  # (R,)
+    k = min(k, raw.shape[1])
+    if k == 0:
+        return [TokenScore(lp, rank) for lp, rank in zip(logprobs, ranks)]
+    top_values, top_indices = raw.topk(k, dim=-1)  # (R, k), most likely first
+    top_values, top_indices = (top_values - log_norm).tolist(), top_indices.tolist()
+    return [TokenScore(lp, rank, tuple(ids), tuple(values))
+            for lp, rank, ids, values in zip(logprobs, ranks, top_indices, top_values)]
+
+
 def make_generator(seed: int | None, seq_index: int, device: str | torch.device = "cpu") -> torch.Generator:
     """The random stream of sequence `seq_index` of a request.
 

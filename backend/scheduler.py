@@ -6,7 +6,9 @@ step gives each sequence some of its missing tokens, up to a token budget, and t
 - A decode is a sequence missing 1 token (the one it sampled last step).
 - Chunked prefill is a sequence missing many tokens that gets what the budget has left this step
   and the rest in later steps; it samples only in the step it catches up.
-- Prefix caching starts a new sequence with num_computed_tokens > 0 (blocks found by hash).
+- Prefix caching starts a new sequence with num_computed_tokens > 0 (blocks found by hash), except
+  a sequence that asked for prompt logprobs and has not sampled yet: it needs the logits of every
+  prompt position, so it computes them all.
 - Preemption by recompute frees a sequence's blocks and sets num_computed_tokens back to 0; its
   generated tokens stay, and it catches up again (prompt + outputs) when it is readmitted.
 
@@ -72,6 +74,12 @@ class SchedulerOutput:
 
 def _order(seq: Sequence) -> tuple[int, int]:
     return (seq.arrival, seq.seq_index)
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """A sequence that still owes its prompt logprobs must compute every prompt position: positions
+    served from the prefix cache have no logits. (It still adds its blocks to the cache.)"""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
 
 
 class Scheduler:
@@ -148,7 +156,7 @@ class Scheduler:
                 if seats + need_seats > self.config.max_num_seqs:
                     break
                 assert seq.num_tokens <= self.config.max_model_len
-                seq.num_computed_tokens = self.block_manager.match_prefix(seq)
+                seq.num_computed_tokens = 0 if _scores_prompt(seq) else self.block_manager.match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 alloc = self.block_manager.allocate(seq, num_new)
                 if alloc is None:  # give back the prefix hit; try again next step

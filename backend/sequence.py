@@ -6,7 +6,7 @@ so they share the prompt's KV blocks and each samples its first token from the l
 
 The scheduler reads and advances `num_computed_tokens` and `status`; the engine appends tokens and
 owns the opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`,
-`finish_reason`, `grammar`), which the scheduler never touches. No torch here.
+`finish_reason`, `grammar`, `prompt_scores`, `prompt_logprobs`), which the scheduler never touches. No torch here.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class Sequence:
         "next_step",
         "finish_reason",
         "grammar",
+        "prompt_scores",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -79,6 +81,8 @@ class Sequence:
         self.next_step = 0
         self.finish_reason: FinishReason | None = None
         self.grammar: Any = None  # structured_output.GrammarState of a constrained sequence
+        self.prompt_scores: list[Any] | None = None  # sampler.TokenScore per prompt token 1..P-1, while prefilling
+        self.prompt_logprobs: Any = None  # types.PromptLogprobs, built from prompt_scores at the first sample
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -140,6 +140,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the sampled token only; k: plus top k
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob, plus the top k at its position
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -178,6 +179,13 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
             "logprobs",
+        )
+        _require(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            "prompt_logprobs",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -287,13 +295,34 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """How likely the model found each token of the prompt (vLLM's `prompt_logprobs`).
+
+    `token_ids` and `token_texts` cover the whole prompt (P tokens; the texts join to the decoded
+    prompt, special tokens included). The other fields describe prompt tokens 1..P-1 (P-1 entries):
+    the first token has no logprob, nothing came before it. Values are the raw log-softmax of the
+    logits at the position before each token, as for generated tokens; `ranks[i]` is the token's
+    rank in that distribution (1 = most likely); the top k alternatives come most likely first.
+    """
+
+    token_ids: tuple[int, ...]  # (P,)
+    token_texts: tuple[str, ...]  # (P,)
+    logprobs: tuple[float, ...]  # (P-1,)
+    ranks: tuple[int, ...]  # (P-1,)
+    top_token_ids: tuple[tuple[int, ...], ...]  # (P-1, k)
+    top_logprobs: tuple[tuple[float, ...], ...]  # (P-1, k)
+    top_token_texts: tuple[tuple[str, ...], ...]  # (P-1, k)
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one sequence produced in one engine step: the per-step message of the architecture.
 
     Values are copied when the message is built; `step` counts 0, 1, 2, ... per sequence with no
     gaps so a receiver can detect loss or duplication; `finish_reason` is set exactly once, on the
     sequence's last message; `request_finished` is True on the message that ends the request's last
-    unfinished sequence (the Triton adapter sends COMPLETE_FINAL with it).
+    unfinished sequence (the Triton adapter sends COMPLETE_FINAL with it). `prompt_logprobs` is set
+    on step 0 of every sequence of a request that asked for them (and a token was generated).
     """
 
     request_id: str
@@ -307,6 +336,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative for this sequence, at send time
     request_finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,7 +29,8 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
-from backend.types import FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from backend import wire
+from backend.types import SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import (
     EngineFailure,
@@ -81,64 +82,10 @@ def decode_response(response: service_pb2.ModelInferResponse, request_id: str) -
     if len(response.outputs) == 0:
         return None
     result = InferResult(response)
-
-    def tensor(name: str) -> np.ndarray:
-        array = result.as_numpy(name)
-        if array is None:
-            raise EngineFailure(f"Triton response lacks output `{name}`", code="bad_response")
-        return array
-
-    def scalar_int(name: str) -> int:
-        return int(tensor(name).reshape(-1)[0])
-
-    def scalar_text(name: str) -> str:
-        return _text(tensor(name).reshape(-1)[0])
-
     try:
-        finish = scalar_text("finish_reason")
-        stop_reason = json.loads(scalar_text("stop_reason") or "null")
-        if stop_reason is not None and (isinstance(stop_reason, bool) or not isinstance(stop_reason, (str, int))):
-            raise ValueError(f"stop_reason must be null, a string or an integer, not {stop_reason!r}")
-        logprobs = _decode_logprobs(result)
-        return StepOutput(
-            request_id=request_id,
-            seq_index=scalar_int("seq_index"),
-            step=scalar_int("step"),
-            token_ids=tuple(int(t) for t in tensor("token_ids").reshape(-1)),
-            text_delta=scalar_text("text_delta"),
-            logprobs=logprobs,
-            finish_reason=FinishReason(finish) if finish else None,
-            stop_reason=stop_reason,
-            num_prompt_tokens=scalar_int("num_prompt_tokens"),
-            num_output_tokens=scalar_int("num_output_tokens"),
-            request_finished=is_final(response),
-        )
-    except (ValueError, IndexError, UnicodeDecodeError) as e:  # JSON, enum, reshape, empty tensors, UTF-8
+        return wire.decode_step(result.as_numpy, request_id, is_final(response))
+    except wire.WireError as e:
         raise EngineFailure(f"malformed Triton response: {e}", code="bad_response") from None
-
-
-def _decode_logprobs(result: InferResult) -> TokenLogprobs | None:
-    lp = result.as_numpy("logprobs")
-    if lp is None:
-        return None
-    parts = [result.as_numpy(n) for n in ("token_texts", "top_token_ids", "top_logprobs", "top_token_texts")]
-    if any(p is None for p in parts):
-        raise ValueError("logprobs outputs are incomplete")
-    texts, top_ids, top_lps, top_texts = parts
-    tokens = lp.reshape(-1).shape[0]
-    k = top_ids.shape[-1] if top_ids.ndim == 2 else 0
-    top_ids, top_lps, top_texts = (a.reshape(tokens, k) for a in (top_ids, top_lps, top_texts))
-    return TokenLogprobs(
-        logprobs=tuple(float(x) for x in lp.reshape(-1)),
-        token_texts=tuple(_text(t) for t in texts.reshape(-1)),
-        top_token_ids=tuple(tuple(int(t) for t in row) for row in top_ids),
-        top_logprobs=tuple(tuple(float(x) for x in row) for row in top_lps),
-        top_token_texts=tuple(tuple(_text(t) for t in row) for row in top_texts),
-    )
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def parse_model_config(name: str, config: Any) -> ModelInfo | None:

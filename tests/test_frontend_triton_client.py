@@ -18,7 +18,8 @@ import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from backend.types import FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from backend import wire
+from backend.types import FinishReason, PromptLogprobs, SamplingParams, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import (
     EngineFailure,
@@ -34,42 +35,19 @@ from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build
 pytestmark = pytest.mark.asyncio
 
 
-# -- encoding as the model does (model_repository/<model>/1/model.py::_step_tensors) ---------------
+# -- encoding as the model does (backend.wire.encode_step, model.py's encoder), into a gRPC response ------
 
 
 def encode_step(out: StepOutput, final: bool | None = None) -> service_pb2.ModelInferResponse:
     response = service_pb2.ModelInferResponse(model_name="llm", id=out.request_id)
-
-    def add(name: str, array: np.ndarray) -> None:
+    for name, array in wire.encode_step(out).items():
         if array.dtype == np.object_:
             response.outputs.add(name=name, datatype="BYTES", shape=list(array.shape))
-            flat = np.array([v.encode("utf-8") for v in array.reshape(-1)], dtype=np.object_)
-            response.raw_output_contents.append(serialize_byte_tensor(flat).item() if flat.size else b"")
+            response.raw_output_contents.append(serialize_byte_tensor(array.reshape(-1)).item() if array.size else b"")
         else:
             dtype = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}[array.dtype]
             response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
             response.raw_output_contents.append(array.tobytes())
-
-    def text(values: list[str], shape: tuple[int, ...]) -> np.ndarray:
-        return np.array(values, dtype=np.object_).reshape(shape)
-
-    add("seq_index", np.array([out.seq_index], dtype=np.int32))
-    add("step", np.array([out.step], dtype=np.int32))
-    add("token_ids", np.array(out.token_ids, dtype=np.int32))
-    add("text_delta", text([out.text_delta], (1,)))
-    add("finish_reason", text([out.finish_reason.value if out.finish_reason else ""], (1,)))
-    add("stop_reason", text([json.dumps(out.stop_reason)], (1,)))
-    add("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32))
-    add("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32))
-    lp = out.logprobs
-    if lp is not None:
-        n = len(lp.logprobs)
-        k = len(lp.top_token_ids[0]) if n else 0
-        add("logprobs", np.array(lp.logprobs, dtype=np.float32).reshape(n))
-        add("token_texts", text(list(lp.token_texts), (n,)))
-        add("top_token_ids", np.array(lp.top_token_ids, dtype=np.int32).reshape(n, k))
-        add("top_logprobs", np.array(lp.top_logprobs, dtype=np.float32).reshape(n, k))
-        add("top_token_texts", text([s for row in lp.top_token_texts for s in row], (n, k)))
     if final if final is not None else out.request_finished:
         response.parameters["triton_final_response"].bool_param = True
     return response
@@ -88,6 +66,11 @@ def _lp(texts: list[str], k: int) -> TokenLogprobs:
     StepOutput("r", 0, 2, (), "", _lp([], 3), FinishReason.ABORT, None, 3, 2, True),
     StepOutput("r", 2, 3, (4,), " end", None, FinishReason.STOP, "end", 3, 4),
     StepOutput("r", 0, 1, (4, 5, 6), "abc", None, FinishReason.LENGTH, None, 3, 16),
+    StepOutput("r", 1, 0, (7,), "x", _lp(["x"], 1), None, None, 3, 1, prompt_logprobs=PromptLogprobs(
+        (1, 2, 3), ("<s>", " h\u00e9", "!"), (-1.5, -0.25), (4, 1), ((8, 9), (2, 8)), ((-0.5, -1.0), (-0.25, -2.0)),
+        (("a", "b"), (" h\u00e9", "a")))),
+    StepOutput("r", 0, 0, (7,), "x", None, None, None, 1, 1, prompt_logprobs=PromptLogprobs(
+        (5,), ("only",), (), (), (), (), ())),
 ])
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out

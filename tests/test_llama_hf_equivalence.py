@@ -6,7 +6,8 @@ wrong block lookup cannot pass by accident), and prompts start one step apart, s
 mixed batches (earlier sequences decoding, one prompt prefilling) as the engine builds them.
 HF runs each prompt alone with its own KV cache.
 
-Checked: the logits of each prompt's first step (atol 1e-3) and 32 greedy tokens (equal).
+Checked: the logits of each prompt's first step (atol 1e-3) and 32 greedy tokens (equal); and the
+engine's prompt logprobs of five prompts (atol 1e-4).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import transformers
 
 from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.checkpoint import load_checkpoint
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
 from backend.llama import LlamaConfig, LlamaForCausalLM
+from backend.types import SamplingParams, StepOutput
 from benchmarks.hf_peer import build_hf_model
 
 NEW_TOKENS = 32
@@ -220,3 +224,30 @@ def test_smollm2_greedy_tokens_match_hf(smollm2_runs):
         assert a == b, f"prompt {i}: {ckpt.tokenizer.decode(a)!r} != {ckpt.tokenizer.decode(b)!r}"
     # And the weights are right, not merely equal in both models (e.g. the Q/K un-permutation):
     assert ckpt.tokenizer.decode(ours_out[0]).startswith("The capital of France is Paris")
+
+
+@pytest.mark.model
+def test_smollm2_engine_prompt_logprobs_match_hf(smollm2_runs):
+    """The served engine's prompt logprobs (chunked prefill, all five prompts in one batch) against
+    transformers' log_softmax over each whole prompt."""
+    ckpt, _, _ = smollm2_runs
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=32, num_kv_blocks=64, block_size=16, num_threads=1),
+                       checkpoint=ckpt)
+    prompts = [ckpt.tokenizer.encode(p) for p in PROMPTS]
+    for i, ids in enumerate(prompts):
+        engine.add_request(engine.make_request(f"p{i}", ids, SamplingParams(max_tokens=1, prompt_logprobs=2)))
+    firsts = {}
+    while engine.has_work():
+        for out in engine.step():
+            if isinstance(out, StepOutput) and out.step == 0:
+                firsts[out.request_id] = out.prompt_logprobs
+    model = hf_model(ckpt.config, ckpt.state_dict)
+    for i, ids in enumerate(prompts):
+        with torch.inference_mode():
+            reference = model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)  # (P-1, V)
+        expected = reference.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        got = firsts[f"p{i}"]
+        err = (torch.tensor(got.logprobs) - expected).abs().max().item()
+        assert err < 1e-4, f"prompt {i}: max |prompt logprob diff| {err}"
+        top_err = (torch.tensor(got.top_logprobs) - reference.topk(2).values).abs().max().item()
+        assert top_err < 1e-4, f"prompt {i}: max |top logprob diff| {top_err}"

@@ -30,11 +30,11 @@ sys.path.insert(0, str(_REPO_ROOT))
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
-import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineStats, LLMEngine  # noqa: E402
+from backend import wire  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
 
@@ -142,31 +142,5 @@ class TritonPythonModel:
                 self._last_counts[name] = value
 
 
-def _bytes_array(values, shape):
-    return np.array([v.encode("utf-8") for v in values], dtype=np.object_).reshape(shape)
-
-
 def _step_tensors(out: StepOutput):
-    t = pb_utils.Tensor
-    tensors = [
-        t("seq_index", np.array([out.seq_index], dtype=np.int32)),
-        t("step", np.array([out.step], dtype=np.int32)),
-        t("token_ids", np.array(out.token_ids, dtype=np.int32)),
-        t("text_delta", _bytes_array([out.text_delta], (1,))),
-        t("finish_reason", _bytes_array([out.finish_reason.value if out.finish_reason else ""], (1,))),
-        t("stop_reason", _bytes_array([json.dumps(out.stop_reason)], (1,))),
-        t("num_prompt_tokens", np.array([out.num_prompt_tokens], dtype=np.int32)),
-        t("num_output_tokens", np.array([out.num_output_tokens], dtype=np.int32)),
-    ]
-    lp = out.logprobs
-    if lp is not None:
-        n = len(lp.logprobs)
-        k = len(lp.top_token_ids[0]) if n else 0
-        tensors += [
-            t("logprobs", np.array(lp.logprobs, dtype=np.float32).reshape(n)),
-            t("token_texts", _bytes_array(lp.token_texts, (n,))),
-            t("top_token_ids", np.array(lp.top_token_ids, dtype=np.int32).reshape(n, k)),
-            t("top_logprobs", np.array(lp.top_logprobs, dtype=np.float32).reshape(n, k)),
-            t("top_token_texts", _bytes_array([s for row in lp.top_token_texts for s in row], (n, k))),
-        ]
-    return tensors
+    return [pb_utils.Tensor(name, array) for name, array in wire.encode_step(out).items()]
