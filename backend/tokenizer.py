@@ -85,11 +85,11 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- encode / decode
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in it (`<|im_start|>`) become their ids.
-        BOS is prepended only when the model's tokenizer config asks for it."""
+        BOS is prepended only when the model's tokenizer config asks for it and add_special_tokens."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token:
+        if self.add_bos_token and add_special_tokens:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
 

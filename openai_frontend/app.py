@@ -22,9 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, RouteNotFound
 from openai_frontend.metrics import Metrics
-from openai_frontend.routers import chat, completions, health, models
+from openai_frontend.routers import chat, completions, health, misc, models, tokenize
 from openai_frontend.service import Service
 from openai_frontend.settings import Settings
+from openai_frontend.tokenizer_api import TokenizerAPI
 
 log = logging.getLogger("openai_frontend")
 
@@ -43,8 +44,9 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = Service(engine, settings, metrics)
+    app.state.tokenizer_api = TokenizerAPI(engine, app.state.service.tokenizers)
     app.state.started = int(time.time())
-    for module in (completions, chat, models, health):
+    for module in (completions, chat, models, health, tokenize, misc):
         app.include_router(module.router)
 
     app.add_exception_handler(FrontendError, _frontend_error)

@@ -46,20 +46,34 @@ def template_reads_tools(model: str, source: str) -> bool:
         return False
 
 
-def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text for `messages`, ending with the assistant generation prompt.
+def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for `messages`, as Hugging Face's `apply_chat_template` renders it.
 
-    `tools` is passed only to templates that read it. Raises InvalidRequest when the model has no
-    template or the template refuses the messages (e.g. roles that do not alternate).
+    add_generation_prompt: end with the assistant's turn header. continue_final_message: end inside the
+    last message instead (cut after its content), so the model continues it. `template_kwargs` are
+    more template variables (vLLM's chat_template_kwargs; they override ours). `tools` is passed only
+    to templates that read it. Raises InvalidRequest when the model has no template or the template
+    refuses the messages (e.g. roles that do not alternate).
     """
     if not model.chat_template:
         raise InvalidRequest(f"model `{model.name}` has no chat template; use /v1/completions", "messages")
+    variables: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                                 "bos_token": model.bos_token, "eos_token": model.eos_token}
+    if tools is not None:
+        variables["tools"] = tools
+    variables.update(template_kwargs or {})
     try:
-        template = _compile(model.name, model.chat_template)
-        extra = {"tools": tools} if tools is not None else {}
-        return template.render(
-            messages=messages, add_generation_prompt=True, bos_token=model.bos_token, eos_token=model.eos_token,
-            **extra,
-        )
+        rendered = _compile(model.name, model.chat_template).render(**variables)
     except jinja2.exceptions.TemplateError as e:
         raise InvalidRequest(f"chat template error: {e}", "messages") from None
+    except TypeError as e:  # a template variable of the wrong kind (chat_template_kwargs)
+        raise InvalidRequest(f"chat template error: {e}", "chat_template_kwargs") from None
+    if continue_final_message:
+        final = str(messages[-1].get("content") or "").strip()
+        if final not in rendered:
+            raise InvalidRequest("continue_final_message: the final message does not appear in the rendered chat",
+                                 "continue_final_message")
+        rendered = rendered[: rendered.rindex(final) + len(final)]
+    return rendered

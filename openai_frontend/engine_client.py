@@ -24,6 +24,7 @@ class ModelInfo:
     bos_token: str = ""
     eos_token: str = ""
     max_model_len: int | None = None
+    tokenizer_source: str | None = None  # the engine's `model` parameter: where the frontend finds the tokenizer
 
 
 class EngineClient(Protocol):

@@ -86,6 +86,16 @@ class SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: scores of the prompt's tokens (not with stream), token ids in the response, tokens named by id.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -102,7 +112,7 @@ class SamplingFields(_Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = None
@@ -131,7 +141,8 @@ class ChatMessage(BaseModel):
     # with fields of OpenAI's responses (refusal, annotations, audio, reasoning_content, ...).
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, and any other a chat template knows (vLLM passes custom roles on to the template).
+    role: str = Field(min_length=1)
     tool_calls: list[ToolCall] | None = None  # assistant (before content: content's check reads it)
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
@@ -190,6 +201,45 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template controls.
+    echo: bool | None = None  # the last message, if it is the assistant's, starts each choice's content
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the model continues the last message instead of starting a new one
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true "
+                                 "(set add_generation_prompt to false)", "continue_final_message")
+        return self
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model: str | None = None  # None: the one model served
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's POST /tokenize with chat messages: the prompt the chat template renders."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _unencodable_text(value: Any, path: str) -> str | None:

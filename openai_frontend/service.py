@@ -8,7 +8,6 @@ The chunks are plain JSON-ready dicts; SSE framing is the router's job.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,9 +21,11 @@ from openai_frontend.constraints import Constraint, request_constraint, tool_cal
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.generation import Generation, Usage
+from openai_frontend.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs
 from openai_frontend.metrics import Metrics
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from openai_frontend.settings import Settings
+from openai_frontend.tokenizers import Tokenizers
 from openai_frontend.tool_calls import ToolCallStream, ToolPlan, forced_call_schema, template_messages, \
     template_tools, tool_plan
 
@@ -45,11 +46,18 @@ class _Plan:
     arrival: float
     constraint: Constraint | None = None  # the output constraint and the field it came from
     tools: ToolPlan = ToolPlan("none")  # chat: how the output's tool calls are read
+    echo_logprobs: int | None = None  # completions echo with logprobs k: the prompt's logprobs lead each choice's
+    echo_only: bool = False  # completions echo with max_tokens 0: the engine's one token is not shown
+    show_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k: the field in the response
+    return_token_ids: bool = False  # prompts went as token ids; responses carry prompt_token_ids and token_ids
+    tokens_as_ids: bool = False  # logprob tokens named `token_id:<id>`
+    chat_echo: str | None = None  # chat echo: the last (assistant) message's content starts each choice
 
 
 class Service:
     def __init__(self, engine: EngineClient, settings: Settings, metrics: Metrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.tokenizers = Tokenizers(settings.tokenizer)
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -73,6 +81,7 @@ class Service:
                     if c["logprobs"] is not None:
                         acc["logprobs"] = _extend_lists(acc["logprobs"], c["logprobs"])
                     acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c["stop_reason"]
+                    _merge_token_fields(acc, c)
         return {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model,
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
@@ -81,43 +90,70 @@ class Service:
         if req.best_of is not None and req.best_of != (1 if req.n is None else req.n):
             raise InvalidRequest("best_of is only supported equal to n", "best_of")
         prompts = _normalize_prompts(req.prompt)
-        echo_texts = None
-        if req.echo:
-            if req.logprobs is not None:
-                raise InvalidRequest("echo with logprobs is not supported: the engine returns no prompt logprobs", "echo")
-            if not all(isinstance(p, str) for p in prompts):
-                raise InvalidRequest("echo is only supported for text prompts, not token ids", "echo")
-            echo_texts = tuple(str(p) for p in prompts)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo: the prompt is scored, "
+                                 "nothing generated)", "max_tokens")
+        echo_logprobs = req.logprobs if req.echo else None
         constraint = request_constraint(req)
-        params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint)
+        # vLLM's rules: echo with logprobs k scores the prompt with k alternatives unless prompt_logprobs says
+        # otherwise; max_tokens 0 runs one step and shows none of it.
+        scored = max(k for k in (req.prompt_logprobs, echo_logprobs, -1) if k is not None)
+        params = _sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=req.logprobs, constraint=constraint,
+                                  prompt_logprobs=scored if scored >= 0 else None)
         include, continuous = _usage_options(req, force_usage)
-        await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
+        model = await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
+        echo_texts = None
+        if req.echo or req.return_token_ids:
+            token_prompts = [p for p in prompts if not isinstance(p, str)]
+            if req.return_token_ids or token_prompts:
+                tokenizer = await self.tokenizers.get(model)
+                if req.echo:
+                    echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                                       for p in prompts)
+                if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
+                    prompts = tuple(tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts)
+            else:
+                echo_texts = tuple(str(p) for p in prompts)
         return _Plan(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompts, params, echo_texts,
-                     include, continuous, 0, arrival, constraint)
+                     include, continuous, 0, arrival, constraint, echo_logprobs=echo_logprobs,
+                     echo_only=bool(req.echo) and max_tokens == 0, show_prompt_logprobs=req.prompt_logprobs,
+                     return_token_ids=bool(req.return_token_ids), tokens_as_ids=bool(req.return_tokens_as_token_ids))
 
     async def _completion_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
         gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
         n = plan.params.n
         offsets: dict[int, int] = {}  # per choice: characters of logprob tokens so far (text_offset)
-        started: set[int] = set()
         async with aclosing(_named_errors(gen.events(), plan)) as events:
             async for p, out in events:
                 index = p * n + out.seq_index
-                text = out.text_delta
-                if plan.echo_texts is not None and index not in started:
-                    text = plan.echo_texts[p] + text
-                started.add(index)
+                first = index not in offsets
+                text = "" if plan.echo_only else out.text_delta
                 logprobs = None
+                if first and plan.echo_texts is not None:
+                    text = plan.echo_texts[p] + text
+                    if plan.echo_logprobs is not None and out.prompt_logprobs is not None:
+                        logprobs = echo_logprobs(out.prompt_logprobs, plan.echo_logprobs, plan.tokens_as_ids)
+                        offsets[index] = sum(len(t) for t in out.prompt_logprobs.token_texts)
+                offset = offsets.setdefault(index, 0)
                 if plan.params.logprobs is not None:
-                    logprobs = _completion_logprobs(out, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                    generated = _NO_COMPLETION_LOGPROBS if plan.echo_only else \
+                        completion_logprobs(out, offset, plan.tokens_as_ids)
+                    logprobs = _extend_lists(logprobs, generated)
+                    if out.logprobs is not None and not plan.echo_only:
+                        offsets[index] = offset + sum(len(t) for t in out.logprobs.token_texts)
                 finish = out.finish_reason.value if out.finish_reason else None
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                           "stop_reason": out.stop_reason if finish else None}
-                yield _chunk(plan, "text_completion", [choice], gen.usage if plan.continuous_usage else None)
+                choice |= _token_fields(plan, p, out, first, in_choice=True)
+                yield _chunk(plan, "text_completion", [choice], self._usage(gen, plan) if plan.continuous_usage else None)
         if plan.include_usage:
-            yield _chunk(plan, "text_completion", [], gen.usage)
+            yield _chunk(plan, "text_completion", [], self._usage(gen, plan))
+
+    @staticmethod
+    def _usage(gen: Generation, plan: _Plan) -> Usage:
+        """Usage counts what the response shows: echo with max_tokens 0 completes no token."""
+        return Usage(gen.usage.prompt_tokens, 0) if plan.echo_only else gen.usage
 
     # -- chat completions ------------------------------------------------------------------------
 
@@ -129,9 +165,11 @@ class Service:
         plan = await self._chat_plan(req, force_usage=True)
         choices: dict[int, dict[str, Any]] = {}
         usage = None
+        top: dict[str, Any] = {}  # vLLM's response-level fields: prompt_token_ids, prompt_logprobs
         async with aclosing(self._chat_chunks(plan)) as chunks:
             async for chunk in chunks:
                 usage = chunk.get("usage", usage)
+                top |= {key: chunk[key] for key in _RESPONSE_FIELDS if key in chunk}
                 for c in chunk["choices"]:
                     acc = choices.setdefault(c["index"], {"index": c["index"],
                                                           "message": {"role": "assistant", "content": ""},
@@ -144,11 +182,12 @@ class Service:
                         acc["logprobs"] = _extend_lists(acc["logprobs"], c["logprobs"])
                     if "role" not in c["delta"]:
                         acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c["stop_reason"]
+                    _merge_token_fields(acc, c)
         for acc in choices.values():
             if acc["message"].get("tool_calls") and not acc["message"]["content"]:
                 acc["message"]["content"] = None  # OpenAI: a message of calls only has no content
         return {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
-                "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+                "choices": [choices[i] for i in sorted(choices)], "usage": usage, **top}
 
     async def _chat_plan(self, req: ChatCompletionRequest, force_usage: bool = False) -> _Plan:
         arrival = time.monotonic()
@@ -173,14 +212,23 @@ class Service:
                                      constraint.param)
             constraint = tool_call_constraint(forced, "tools")
         params = _sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
-                                  constraint=constraint)
+                                  constraint=constraint, prompt_logprobs=req.prompt_logprobs)
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)
         knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
         messages = template_messages(req.messages, tools, knows_tools)
-        prompt = render_chat(model, messages, template_tools(tools) if knows_tools else None)
+        prompt: str | tuple[int, ...] = render_chat(
+            model, messages, template_tools(tools) if knows_tools else None,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs)
+        if req.return_token_ids:
+            prompt = tuple((await self.tokenizers.get(model)).encode(prompt))
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == "assistant" else None
         return _Plan(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, (prompt,), params, None,
-                     include, continuous, top, arrival, constraint, tools)
+                     include, continuous, top, arrival, constraint, tools, show_prompt_logprobs=req.prompt_logprobs,
+                     return_token_ids=bool(req.return_token_ids), tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                     chat_echo=echo)
 
     async def _chat_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
         gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
@@ -192,12 +240,21 @@ class Service:
                 index = p * n + out.seq_index
                 if first:  # the role goes first, once per choice (after the engine accepted the request)
                     first = False
+                    usage = Usage(gen.usage.prompt_tokens, 0) if plan.continuous_usage else None
                     for i in range(len(plan.prompts) * n):
                         role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None, "stop_reason": None}
-                        usage = Usage(gen.usage.prompt_tokens, 0) if plan.continuous_usage else None
-                        yield _chunk(plan, "chat.completion.chunk", [role], usage)
-                logprobs = _chat_logprobs(out, plan.top_logprobs) if plan.params.logprobs is not None else None
+                        chunk = _chunk(plan, "chat.completion.chunk", [role], usage)
+                        if i == 0:  # vLLM's response-level fields travel on the first chunk
+                            chunk |= _token_fields(plan, p, out, True, in_choice=False)
+                        yield chunk
+                    if plan.chat_echo:
+                        for i in range(len(plan.prompts) * n):
+                            echo = {"index": i, "delta": {"content": plan.chat_echo}, "logprobs": None,
+                                    "finish_reason": None, "stop_reason": None}
+                            yield _chunk(plan, "chat.completion.chunk", [echo], usage)
+                logprobs = chat_logprobs(out, plan.top_logprobs, plan.tokens_as_ids) \
+                    if plan.params.logprobs is not None else None
                 finish = out.finish_reason.value if out.finish_reason else None
                 if plan.tools.active:
                     stream = tool_streams.setdefault(index, ToolCallStream(plan.tools))
@@ -211,9 +268,10 @@ class Service:
                     choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None,
                               "stop_reason": None}
                     yield _chunk(plan, "chat.completion.chunk", [choice], usage)
-                if deltas or logprobs is not None or finish:
+                if deltas or logprobs is not None or finish or plan.return_token_ids:
                     choice = {"index": index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
                               "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
+                    choice |= _token_fields(plan, 0, out, False, in_choice=True)
                     yield _chunk(plan, "chat.completion.chunk", [choice], usage)
         if plan.include_usage:
             yield _chunk(plan, "chat.completion.chunk", [], gen.usage)
@@ -304,8 +362,9 @@ def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
 
 
 def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     constraint: Constraint | None = None) -> SamplingParams:
+                     constraint: Constraint | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     kwargs: dict[str, Any] = {"n": 1 if req.n is None else req.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                              "prompt_logprobs": prompt_logprobs,
                               "structured_outputs": constraint.spec if constraint else None,
                               "ignore_eos": bool(req.ignore_eos),
                               "include_stop_str_in_output": bool(req.include_stop_str_in_output),
@@ -330,42 +389,33 @@ def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int 
         raise InvalidRequest(e.message, e.param) from None
 
 
-def _logprob(value: float) -> float:
-    """JSON has no -inf or NaN: clamp to -9999.0 as vLLM does."""
-    return value if math.isfinite(value) and value > -9999.0 else -9999.0
+_NO_COMPLETION_LOGPROBS: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                  "text_offset": []}
+_RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs")
 
 
-def _completion_logprobs(out: StepOutput, text_offset: int) -> dict[str, list[Any]]:
-    """Legacy completions logprobs of one step, vLLM style: top_logprobs holds the sampled token
-    and then the top-k alternatives (so logprobs=0 gives just the sampled token)."""
-    lp = out.logprobs
-    if lp is None:  # a step without tokens (an abort) may come without logprob outputs
-        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offsets, top = [], []
-    for i, token_id in enumerate(out.token_ids):
-        offsets.append(text_offset)
-        text_offset += len(lp.token_texts[i])
-        entry = {lp.token_texts[i]: _logprob(lp.logprobs[i])}
-        for alt_id, alt_text, alt_lp in zip(lp.top_token_ids[i], lp.top_token_texts[i], lp.top_logprobs[i]):
-            if alt_id != token_id:
-                entry.setdefault(alt_text, _logprob(alt_lp))
-        top.append(entry)
-    return {"tokens": list(lp.token_texts), "token_logprobs": [_logprob(x) for x in lp.logprobs],
-            "top_logprobs": top, "text_offset": offsets}
+def _token_fields(plan: _Plan, p: int, out: StepOutput, first: bool, in_choice: bool) -> dict[str, Any]:
+    """vLLM's token-id and prompt fields of one chunk: `token_ids` on every choice chunk, the prompt's
+    (`prompt_token_ids`, `prompt_logprobs`) once, on a choice (completions) or the response (chat)."""
+    fields: dict[str, Any] = {}
+    if plan.return_token_ids:
+        if in_choice:
+            fields["token_ids"] = [] if plan.echo_only else list(out.token_ids)
+        if first:
+            fields["prompt_token_ids"] = list(plan.prompts[p])
+    if first and plan.show_prompt_logprobs is not None:
+        pl = out.prompt_logprobs
+        fields["prompt_logprobs"] = prompt_logprobs(pl, plan.show_prompt_logprobs, plan.tokens_as_ids) if pl else None
+    return fields
 
 
-def _chat_logprobs(out: StepOutput, top_k: int) -> dict[str, list[Any]]:
-    lp = out.logprobs
-    if lp is None:  # a step without tokens
-        return {"content": []}
-    content = []
-    for i in range(len(out.token_ids)):
-        alts = [{"token": t, "logprob": _logprob(x), "bytes": list(t.encode("utf-8"))}
-                for t, x in zip(lp.top_token_texts[i][:top_k], lp.top_logprobs[i][:top_k])]
-        text = lp.token_texts[i]
-        content.append({"token": text, "logprob": _logprob(lp.logprobs[i]), "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": alts})
-    return {"content": content}
+def _merge_token_fields(acc: dict[str, Any], chunk_choice: dict[str, Any]) -> None:
+    """Fold a chunk's token fields into the non-streamed choice."""
+    for key in _RESPONSE_FIELDS:
+        if key in chunk_choice:
+            acc[key] = chunk_choice[key]
+    if "token_ids" in chunk_choice:
+        acc.setdefault("token_ids", []).extend(chunk_choice["token_ids"])
 
 
 def _extend_lists(acc: dict[str, list[Any]] | None, new: dict[str, list[Any]]) -> dict[str, list[Any]]:

@@ -18,6 +18,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     api_key: str | None = None
     log_level: str = "info"
+    tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/* (default from FRONTEND_API_KEY; "
                              "unset: no authentication)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer for /tokenize, /detokenize, /tokenizer_info, echo and return_token_ids: "
+                             "'smollm2', a .gguf file or a Hugging Face folder; unset: the served model's own "
+                             "(the `model` parameter of its Triton config), which must then be on this machine")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level")
     return parser
@@ -59,6 +64,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     try:
         return Settings(triton_url=args.triton_url, host=args.host, port=args.port,
                         default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
-                        cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level)
+                        cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level,
+                        tokenizer=args.tokenizer)
     except ValueError as e:
         parser.error(str(e))

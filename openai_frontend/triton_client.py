@@ -100,6 +100,7 @@ def parse_model_config(name: str, config: Any) -> ModelInfo | None:
         bos_token=params.get("bos_token", ""),
         eos_token=params.get("eos_token", ""),
         max_model_len=int(max_len) if max_len.strip().isdigit() else None,
+        tokenizer_source=params.get("model") or None,
     )
 
 

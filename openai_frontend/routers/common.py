@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -18,10 +20,19 @@ from openai_frontend.service import Service
 
 log = logging.getLogger("openai_frontend")
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 def service(request: Request) -> Service:
     return request.app.state.service
+
+
+def parse_body(schema: type[M], body: dict[str, Any]) -> M:
+    """Validate a JSON body against the schema a route picked from its content (errors as FastAPI's own)."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 async def require_api_key(request: Request) -> None:
