@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf clean
+.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -49,6 +49,10 @@ perf: venv
 
 genai-perf: venv
 	$(PY) -m scripts.perf_tools genai-perf
+
+# lm-evaluation-harness (pinned, in .tools/lm-eval) against a running `make serve`: make lm-eval TASKS=hellaswag LIMIT=100
+lm-eval: venv
+	$(PY) -m scripts.lm_eval --tasks $(or $(TASKS),$(error give TASKS=<lm-eval task names>)) $(if $(LIMIT),--limit $(LIMIT))
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .cache .pytest_cache .hypothesis artifacts

@@ -27,6 +27,8 @@ class Response:
     token_texts: list[str] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -82,6 +84,9 @@ def _decode(result) -> Response:
         r.token_texts = [x.decode() for x in arr("token_texts").reshape(-1)]
         r.top_token_ids = arr("top_token_ids").tolist()
         r.top_logprobs = arr("top_logprobs").tolist()
+    if arr("prompt_token_ids") is not None:
+        r.prompt_token_ids = [int(t) for t in arr("prompt_token_ids")]
+        r.prompt_logprobs = [float(x) for x in arr("prompt_logprobs")]
     return r
 
 
