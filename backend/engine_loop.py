@@ -52,6 +52,10 @@ class EngineLoop(Generic[Sink]):
         self._engine_thread.start()
         self._sender_thread.start()
 
+    def is_running(self) -> bool:
+        """Both threads are alive and no stop was asked: what a health probe reports."""
+        return not self._stopping.is_set() and self._engine_thread.is_alive() and self._sender_thread.is_alive()
+
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         """Thread-safe: called from Triton's execute()."""
         self._incoming.put((request, sink))

@@ -61,7 +61,8 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
 
 
 def _error_response(error: FrontendError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=headers)
 
 
 async def _frontend_error(request: Request, exc: Exception) -> JSONResponse:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+STUB_DEAD = "is not healthy"
+
 
 class FrontendError(Exception):
     """Base: a failure the client is told about, with its HTTP status and OpenAI error type."""
@@ -17,11 +19,13 @@ class FrontendError(Exception):
     error_type = "server_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code or self.default_code
+        self.retry_after_s = retry_after_s  # sent as the Retry-After header
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -62,11 +66,15 @@ class ClientDisconnected(FrontendError):
 
 
 class EngineUnavailable(FrontendError):
-    """Triton cannot be reached, or the model is not ready."""
+    """Triton cannot be reached, or the model is not ready (its engine died or is restarting)."""
 
     status_code = 503
     error_type = "service_unavailable_error"
     default_code = "engine_unavailable"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
+                 retry_after_s: int | None = 5) -> None:
+        super().__init__(message, param, code, retry_after_s=retry_after_s)
 
 
 class EngineFailure(FrontendError):
@@ -103,4 +111,6 @@ def from_engine_message(message: str) -> FrontendError:
             return EngineFailure(data["message"], param, code)
     if "unknown model" in message.lower():
         return EngineUnavailable(message, "model")
+    if STUB_DEAD in message:  # the Python backend's word for a stub process that died
+        return EngineUnavailable(message)
     return EngineFailure(message)

@@ -32,7 +32,9 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from backend import wire
 from backend.types import SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
+from openai_frontend.engine_watchdog import EngineWatchdog, ProbesUnsupported
 from openai_frontend.errors import (
+    STUB_DEAD,
     EngineFailure,
     EngineUnavailable,
     FrontendError,
@@ -56,6 +58,15 @@ def build_request(model: str, prompt: str | list[int], params: SamplingParams, r
         request.inputs.add(name="input_ids", datatype="INT32", shape=[len(prompt)])
         request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
     _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
+    request.parameters[EMPTY_FINAL].bool_param = True
+    return request
+
+
+def build_probe(model: str) -> service_pb2.ModelInferRequest:
+    """The health probe of the wire contract: one `health_probe` input, answered with `health`."""
+    request = service_pb2.ModelInferRequest(model_name=model, id="health-probe")
+    request.inputs.add(name="health_probe", datatype="BOOL", shape=[1])
+    request.raw_input_contents.append(np.array([True]).tobytes())
     request.parameters[EMPTY_FINAL].bool_param = True
     return request
 
@@ -135,12 +146,14 @@ class _Stream:
 class TritonEngineClient:
     """EngineClient for a Triton server at `url` (host:port of its gRPC endpoint)."""
 
-    def __init__(self, url: str, *, config_ttl_s: float = 10.0, control_timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, config_ttl_s: float = 10.0, control_timeout_s: float = 5.0,
+                 probe_interval_s: float = 1.0, probe_timeout_s: float = 5.0) -> None:
         self.url = url
         self._config_ttl_s = config_ttl_s
         self._timeout = control_timeout_s
         self._client: grpcclient.InferenceServerClient | None = None
         self._configs: dict[str, tuple[float, ModelInfo | None]] = {}
+        self.watchdog = EngineWatchdog(self.probe, interval_s=probe_interval_s, timeout_s=probe_timeout_s)
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
         # Created on first use so the channel belongs to the running event loop.
@@ -149,6 +162,7 @@ class TritonEngineClient:
         return self._client
 
     async def close(self) -> None:
+        await self.watchdog.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -157,7 +171,8 @@ class TritonEngineClient:
         try:
             if not await self._grpc().is_server_ready(client_timeout=self._timeout):
                 return False
-            return bool(await self.list_models())
+            models = await self.list_models()
+            return bool(models) and all([await self.watchdog.alive(m.name) for m in models])
         except (FrontendError, InferenceServerException, grpc.RpcError):
             return False
 
@@ -190,6 +205,9 @@ class TritonEngineClient:
         except InferenceServerException as e:
             text = (e.message() or "").lower()
             if "unknown model" in text or "not_found" in (e.status() or "").lower():
+                if self.watchdog.knows(name):  # served before: being reloaded, not gone
+                    self.watchdog.check(name)
+                    raise EngineUnavailable(f"model `{name}` is not loaded in Triton now (restarting?)") from None
                 return None
             raise self._unavailable(e) from None
         info = parse_model_config(name, response.config)
@@ -204,15 +222,47 @@ class TritonEngineClient:
         # Tests override this to serve responses without a server.
         return _Stream(self._grpc()._client_stub, request)
 
+    async def probe(self, model: str) -> str:
+        """The id of the engine instance that answers a health probe; raises EngineUnavailable or
+        EngineFailure when none does, ProbesUnsupported for a model without the probe input."""
+        stream = self._open_stream(build_probe(model))
+        try:
+            async for response in stream:
+                if response.error_message:
+                    if "unexpected inference input" in response.error_message:
+                        raise ProbesUnsupported(response.error_message)
+                    raise from_engine_message(response.error_message)
+                health = InferResult(response.infer_response).as_numpy("health") \
+                    if len(response.infer_response.outputs) else None
+                if health is not None:
+                    return str(json.loads(health.reshape(-1)[0])["instance"])
+                if is_final(response.infer_response):
+                    break
+            raise EngineFailure("the health probe got no answer")
+        except grpc.aio.AioRpcError as e:
+            raise EngineUnavailable(f"Triton at {self.url} is not available: {e.details()}") from None
+        finally:
+            stream.end(cancel=False)
+
     async def generate(
         self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[StepOutput]:
+        self.watchdog.check(model)  # a dead engine: 503 at once
         stream = self._open_stream(build_request(model, prompt, params, request_id))
+        killed: list[str] = []
+
+        def kill(reason: str) -> None:  # the watchdog found the engine dead: end this stream now
+            killed.append(reason)
+            stream.end(cancel=True)
+
+        watch = self.watchdog.watch(model, kill)
         complete = False
         try:
             async for response in stream:
                 if response.error_message:
                     complete = True  # an error response is the request's last (COMPLETE_FINAL)
+                    if STUB_DEAD in response.error_message:
+                        self.watchdog.report_dead(model, response.error_message)
                     raise from_engine_message(response.error_message)
                 out = decode_response(response.infer_response, request_id)
                 # Marked complete before yielding: a consumer that stops after the last output
@@ -223,11 +273,16 @@ class TritonEngineClient:
                 if complete:
                     return
             raise EngineFailure("Triton ended the stream before the request's final response")
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if killed:
+                raise EngineUnavailable(killed[0], retry_after_s=10) from None
+            if isinstance(e, asyncio.CancelledError):
+                raise
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise EngineUnavailable(f"Triton at {self.url} is not available: {e.details()}") from None
             raise EngineFailure(f"Triton stream failed: {e.code().name}: {e.details()}") from None
         finally:
+            self.watchdog.unwatch(watch)
             # Not complete: the HTTP client went away (CancelledError / aclose) or the stream broke;
             # cancelling the call cancels the Triton request so the engine frees its blocks.
             stream.end(cancel=not complete)

@@ -7,6 +7,8 @@ three run the servers the same way. The tritonserver binary and the Python backe
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import signal
@@ -14,11 +16,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger("servers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -120,15 +124,82 @@ class _Process:
             pass
 
 
+def stub_processes(parent_pid: int) -> dict[int, str]:
+    """The Python-backend stubs tritonserver `parent_pid` runs: pid -> model name (its folder's name)."""
+    stubs: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != parent_pid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1:
+            stubs[int(entry)] = Path(argv[1].decode()).parents[1].name
+    return stubs
+
+
+class StubSupervisor:
+    """Brings back a model whose Python-backend stub died, through Triton's model-control API.
+
+    Triton does not restart the stub of a decoupled model: the model stays READY, its requests hang
+    and new ones fail. So this watches the stubs (children of tritonserver) twice a second; when a
+    READY model has lost one, it unloads the model (Triton then reports it not ready) and loads it
+    again (a fresh stub and engine, the time of a model load). tritonserver must run with
+    `--model-control-mode=explicit`. The frontend ends the streams the dead engine held (its engine
+    watchdog); unloading does not wait for them.
+    """
+
+    def __init__(self, server: TritonServer, interval_s: float = 0.5) -> None:
+        self.server, self.interval_s = server, interval_s
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stub-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        proc = self.server.proc
+        assert proc is not None
+        known = stub_processes(proc.pid)
+        while not self._stop.wait(self.interval_s) and proc.poll() is None:
+            current = stub_processes(proc.pid)
+            lost = {model for pid, model in known.items() if pid not in current}
+            for model in sorted(lost):
+                if self._stop.is_set() or self.server.model_state(model) != "READY":
+                    continue  # unloaded on purpose, or already being reloaded
+                log.error("the stub of model %s died: reloading the model", model)
+                print(f"[servers] the engine process of {model} died; reloading it", file=sys.stderr, flush=True)
+                try:
+                    self.server.model_control(model, "unload")
+                    self.server.model_control(model, "load", timeout=600)
+                    self.restarts += 1
+                    print(f"[servers] {model} reloaded", file=sys.stderr, flush=True)
+                except OSError as e:
+                    log.error("reloading %s failed: %s", model, e)
+            known = stub_processes(proc.pid) if lost else current
+
+
 class TritonServer(_Process):
     name = "tritonserver"
 
     def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                 model_repository: Path = MODEL_REPOSITORY, extra_env: dict[str, str] | None = None) -> None:
+                 model_repository: Path = MODEL_REPOSITORY, extra_env: dict[str, str] | None = None,
+                 supervise: bool = True) -> None:
         super().__init__()
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.model_repository = model_repository
         self.extra_env = extra_env or {}
+        self.supervisor = StubSupervisor(self) if supervise else None
 
     @property
     def grpc_url(self) -> str:
@@ -159,10 +230,38 @@ class TritonServer(_Process):
             "--grpc-address=127.0.0.1",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
+            # Explicit model control, every model loaded at start: the supervisor reloads a model
+            # whose engine process died (StubSupervisor).
+            "--model-control-mode=explicit",
+            "--load-model=*",
         ]
         self._spawn(cmd, env, log_path)
         self.wait_ready(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout)
+        if self.supervisor is not None:
+            self.supervisor.start()
         return self
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        super().stop(timeout)
+
+    def model_state(self, model: str) -> str | None:
+        """READY, LOADING, UNLOADING, UNAVAILABLE, or None when Triton does not list it."""
+        try:
+            index = json.loads(self._post("/v2/repository/index", timeout=5))
+        except (OSError, ValueError):
+            return None
+        return next((m.get("state") for m in index if m.get("name") == model), None)
+
+    def model_control(self, model: str, action: str, timeout: float = 60) -> None:
+        self._post(f"/v2/repository/models/{model}/{action}", timeout=timeout)
+
+    def _post(self, path: str, timeout: float) -> bytes:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read()
 
 
 class Frontend(_Process):

@@ -140,6 +140,8 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests: list[service_pb2.ModelInferRequest] = []
         self.cancelled = asyncio.Event()
         self.models = {"llm": ("READY", "llm"), "resnet": ("READY", "image"), "llm-loading": ("LOADING", "llm")}
+        self.instance: str | None = "engine-1"  # what health probes answer; None: an error, as a dead stub's
+        self.probes = 0
 
     async def ServerReady(self, request, context):  # noqa: N802 - gRPC method names
         return service_pb2.ServerReadyResponse(ready=True)
@@ -157,6 +159,10 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:  # noqa: N802
         try:  # one request per call, as our client sends; returning ends the call
             request = await anext(request_iterator.__aiter__())
+            if any(i.name == "health_probe" for i in request.inputs):
+                self.probes += 1
+                yield self._probe_answer(request.model_name)
+                return
             self.requests.append(request)
             for item in self.responder(request):
                 if isinstance(item, float):
@@ -166,6 +172,17 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+
+    def _probe_answer(self, model: str) -> service_pb2.ModelStreamInferResponse:
+        if self.instance is None:
+            return service_pb2.ModelStreamInferResponse(error_message=f"Stub process '{model}_0_0' is not healthy.")
+        response = service_pb2.ModelInferResponse(model_name=model)
+        response.outputs.add(name="health", datatype="BYTES", shape=[1])
+        health = json.dumps({"instance": self.instance, "engine": "running"}).encode()
+        response.raw_output_contents.append(serialize_byte_tensor(np.array([health], dtype=np.object_)).item())
+        response.parameters["triton_final_response"].bool_param = True
+        return service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
 def ok(out: StepOutput, final: bool | None = None) -> service_pb2.ModelStreamInferResponse:
@@ -323,4 +340,77 @@ async def test_app_over_grpc(triton) -> None:
         assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["llm"]
     await asyncio.sleep(0.05)
     assert not server.cancelled.is_set()  # a finished request is never cancelled
+    await app.state.engine.close()
+
+
+# -- the engine watchdog: a stub that died, an engine that was restarted ------------------------------
+
+
+def _slow_steps(count: int = 200) -> Responder:
+    steps = scripted_steps([[f"t{i}" for i in range(count)]])
+    return lambda request: [x for s in steps for x in (ok(s), 0.02)]
+
+
+async def test_a_dead_engine_ends_open_streams_and_refuses_new_ones(triton) -> None:
+    server, url = triton
+    server.responder = _slow_steps()
+    client = TritonEngineClient(url, probe_interval_s=0.05, probe_timeout_s=1.0)
+    try:
+        stream = client.generate("llm", "x", SamplingParams(max_tokens=200), "r")
+        assert (await anext(stream)).step == 0
+        server.instance = None  # the stub died: probes now get Triton's "not healthy" error
+        with pytest.raises(EngineUnavailable, match="not healthy") as info:
+            async with asyncio.timeout(5):
+                async for _ in stream:
+                    pass
+        assert info.value.retry_after_s and info.value.status_code == 503
+        await asyncio.wait_for(server.cancelled.wait(), 5)  # the hung Triton call is cancelled too
+        with pytest.raises(EngineUnavailable):  # at once, without asking Triton
+            await anext(client.generate("llm", "x", SamplingParams(), "r2"))
+        assert len(server.requests) == 1
+        assert not await client.ready()
+        server.instance = "engine-2"  # reloaded
+        await asyncio.sleep(0.1)
+        assert await client.ready()
+        server.responder = lambda request: [ok(s) for s in scripted_steps([["a"]])]
+        assert [o.text_delta for o in await _collect(client, params=SamplingParams())] == ["a"]
+    finally:
+        await client.close()
+
+
+async def test_an_engine_restarted_between_probes_ends_the_streams_it_had(triton) -> None:
+    server, url = triton
+    server.responder = _slow_steps()
+    client = TritonEngineClient(url, probe_interval_s=0.05, probe_timeout_s=1.0)
+    try:
+        assert await client.ready()  # engine-1 known
+        stream = client.generate("llm", "x", SamplingParams(max_tokens=200), "r")
+        assert (await anext(stream)).step == 0
+        server.instance = "engine-2"
+        with pytest.raises(EngineUnavailable, match="restarted"):
+            async with asyncio.timeout(5):
+                async for _ in stream:
+                    pass
+        server.responder = lambda request: [ok(s) for s in scripted_steps([["a"]])]
+        assert len(await _collect(client, params=SamplingParams())) == 1  # the new engine serves
+    finally:
+        await client.close()
+
+
+async def test_not_healthy_from_a_request_marks_the_model_down_and_the_app_says_503(triton) -> None:
+    server, url = triton
+    server.instance = None
+    server.responder = lambda request: [service_pb2.ModelStreamInferResponse(
+        error_message="Stub process 'llm_0_0' is not healthy.")]
+    app = create_app(TritonEngineClient(url, probe_interval_s=0.05), Settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        r = await http.post("/v1/completions", json={"model": "llm", "prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert (await http.get("/health/ready")).status_code == 503
+        r = await http.post("/v1/completions", json={"model": "llm", "prompt": "x", "stream": True})
+        assert r.status_code == 503 and len(server.requests) == 1  # refused before reaching Triton
+        server.instance = "engine-2"
+        await asyncio.sleep(0.1)
+        assert (await http.get("/health/ready")).status_code == 200
     await app.state.engine.close()

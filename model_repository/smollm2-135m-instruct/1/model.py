@@ -10,6 +10,7 @@ import json
 import os
 import site
 import sys
+import uuid
 from pathlib import Path
 
 # The stub runs the base interpreter: make the project's venv and repo importable before torch.
@@ -30,6 +31,7 @@ sys.path.insert(0, str(_REPO_ROOT))
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
+import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend.config import EngineConfig  # noqa: E402
@@ -59,6 +61,8 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         self.engine = LLMEngine(EngineConfig.from_strings(params))
+        # Names this instance's life: a probe that sees another one knows the engine was restarted.
+        self.instance_id = f"{args['model_instance_name']}-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
         self._init_metrics(args["model_name"])
         self.loop = EngineLoop(self.engine, send=self._send, is_cancelled=lambda s: s.is_cancelled(),
@@ -69,6 +73,9 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+            if pb_utils.get_input_tensor_by_name(request, "health_probe") is not None:
+                self._answer_probe(sender, request_id)
+                continue
             try:
                 prompt, params = self._parse(request)
                 self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
@@ -80,6 +87,15 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.stop()
+
+    def _answer_probe(self, sender, request_id):
+        """A health probe (docs/wire-contract.md): answered here, on Triton's thread, without the engine."""
+        if not self.loop.is_running():
+            self._send(sender, RequestFailure(request_id, "the engine loop is not running"))
+            return
+        health = json.dumps({"instance": self.instance_id, "engine": "running"})
+        tensor = pb_utils.Tensor("health", np.array([health.encode()], dtype=np.object_))
+        sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # -- Triton tensors <-> engine types ------------------------------------------------------
 
