@@ -79,6 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype,
                                   compile_decode=config.compile)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, max_model_len)
+        self._max_token_chars = self.tokenizer.max_token_chars
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, model_cfg.vocab_size,
                                                            self.runtime.eos_token_ids)
         # Constrained requests whose grammar is still compiling: kept out of the scheduler until it is ready.
@@ -96,9 +97,14 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
         """Tokenizes and validates; raises InvalidRequestError for anything the engine cannot run."""
         vocab = self.runtime.vocab_size
+        max_len = self.runtime.max_model_len
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
+            if len(prompt) >= max_len * self._max_token_chars:  # refused without spending time tokenizing it
+                raise InvalidRequestError(
+                    f"the prompt is {len(prompt)} characters, at least {len(prompt) // self._max_token_chars} "
+                    f"tokens; this model's context is {max_len} tokens", "prompt", "context_length_exceeded")
             token_ids = tuple(self.tokenizer.encode(prompt))
         else:
             token_ids = tuple(int(t) for t in prompt)
@@ -106,7 +112,6 @@ class LLMEngine:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        max_len = self.runtime.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "

@@ -13,6 +13,7 @@ a chat model that emits either has finished.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -95,6 +96,12 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text of C characters has at least
+        C / max_token_chars tokens (a bound that needs no tokenizing)."""
+        return max(1, max(len(self._tok.decode([i], skip_special_tokens=False)) for i in range(self.vocab_size)))
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own, special tokens shown ("\ufffd" for a partial UTF-8 byte)."""

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_frontend.engine_client import EngineClient
-from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, RouteNotFound
+from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, RequestTooLarge, RouteNotFound
 from openai_frontend.metrics import Metrics
 from openai_frontend.routers import chat, completions, health, misc, models, tokenize
 from openai_frontend.service import Service
@@ -56,6 +56,7 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     return app
 
@@ -132,3 +133,42 @@ class _RequestMetrics:
             await self.app(scope, receive, send_status)
         finally:
             self.metrics.observe_request(scope["path"], status)
+
+
+class _BodyLimit:
+    """A body over `max_bytes` is a 413 before it is parsed: at once when Content-Length says so, else as
+    soon as the bytes received pass the limit (pure ASGI, so nothing is buffered here)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = RequestTooLarge(f"the request body is larger than this server accepts ({self.max_bytes} bytes)",
+                                    "body")
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _error_response(too_large)(scope, receive, send)
+            return
+        received = 0
+        exceeded = False
+
+        async def counted() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise too_large  # stops the body's parsing; the response is replaced below
+            return message
+
+        async def send_413_instead(message: Message) -> None:
+            if not exceeded:
+                await send(message)
+            elif message["type"] == "http.response.start":  # the app's reply to the interrupted body
+                await _error_response(too_large)(scope, receive, send)
+
+        await self.app(scope, counted, send_413_instead)

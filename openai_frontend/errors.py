@@ -38,6 +38,12 @@ class InvalidRequest(FrontendError):
     error_type = "invalid_request_error"
 
 
+class RequestTooLarge(FrontendError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
 class AuthenticationFailed(FrontendError):
     status_code = 401
     error_type = "authentication_error"

@@ -19,12 +19,15 @@ class Settings:
     api_key: str | None = None
     log_level: str = "info"
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
+    max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
             raise ValueError("--default-max-tokens must be >= 1")
         if self.chat_default_max_tokens is not None and self.chat_default_max_tokens < 1:
             raise ValueError("--chat-default-max-tokens must be >= 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be >= 1024")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the tokenizer for /tokenize, /detokenize, /tokenizer_info, echo and return_token_ids: "
                              "'smollm2', a .gguf file or a Hugging Face folder; unset: the served model's own "
                              "(the `model` parameter of its Triton config), which must then be on this machine")
+    parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                        help="largest request body accepted; a larger one gets a 413 before it is read (the default, "
+                             "8 MiB, holds a prompt filling the context window many times over)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level")
     return parser
@@ -65,6 +71,6 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         return Settings(triton_url=args.triton_url, host=args.host, port=args.port,
                         default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
                         cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level,
-                        tokenizer=args.tokenizer)
+                        tokenizer=args.tokenizer, max_request_bytes=args.max_request_bytes)
     except ValueError as e:
         parser.error(str(e))

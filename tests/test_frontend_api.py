@@ -626,3 +626,21 @@ async def test_client_disconnect_cancels_engine_request(streaming: bool) -> None
     metrics = app.state.metrics.render().decode()
     assert _metric(metrics, "frontend_requests_in_flight") == 0
 
+
+
+async def test_oversized_bodies_get_413_before_parsing() -> None:
+    engine = FakeEngineClient()
+    async with make_client(engine, Settings(max_request_bytes=4096)) as client:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 5000})
+        r = await client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        async def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(10):
+                yield b" " * 1000
+
+        r = await client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 1})
+        assert ok.status_code == 200
+    assert len(engine.calls) == 1

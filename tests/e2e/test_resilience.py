@@ -91,3 +91,19 @@ async def test_killed_engine_process_ends_streams_and_comes_back(own_servers):
         r = await http.post("/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "Hi", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert len(stub_processes(triton.proc.pid)) == 1 and triton.supervisor.restarts == 1
+
+
+def test_oversized_and_huge_requests_are_refused_at_once(servers):
+    url = f"{servers.base_url}/completions"
+    big = json.dumps({"model": servers.model, "prompt": "x" * (16 * 2**20)})
+    t0 = time.monotonic()
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert time.monotonic() - t0 < 5
+    # Under the limit but far past the context window: refused without tokenizing it all.
+    t0 = time.monotonic()
+    r = httpx.post(url, json={"model": servers.model, "prompt": "word " * 1_500_000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert time.monotonic() - t0 < 5
+    r = httpx.post(url, json={"model": servers.model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
