@@ -19,6 +19,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: from kv_cache_gib
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 32
+    max_waiting_seqs: int | None = 256  # sequences queued beyond the free seats; more are refused ("overloaded"); None: no bound
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
@@ -36,6 +37,7 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
         check(self.kv_cache_gib > 0, "kv_cache_gib must be > 0")
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_waiting_seqs is None or self.max_waiting_seqs >= 1, "max_waiting_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
         check(self.max_model_len is None or self.max_model_len >= 16, "max_model_len must be >= 16")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")

@@ -23,7 +23,14 @@ from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
 from backend.structured_output import GrammarState, StructuredOutputCompiler
-from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, SamplingParams
+from backend.types import (
+    EngineOutput,
+    EngineOverloaded,
+    GenerateRequest,
+    InvalidRequestError,
+    RequestFailure,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     aborted_requests: int
+    rejected_requests: int  # refused because the queue was full
 
 
 class LLMEngine:
@@ -90,6 +98,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._aborted = 0
+        self._rejected = 0
         logger.info("engine ready: %d KV blocks of %d tokens, context %d", num_blocks, config.block_size, max_model_len)
 
     # -- requests -------------------------------------------------------------------------------
@@ -135,9 +144,17 @@ class LLMEngine:
         return GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
 
     def add_request(self, request: GenerateRequest) -> None:
-        """Queues the request; a constrained one joins the scheduler once its grammar is compiled."""
+        """Queues the request; a constrained one joins the scheduler once its grammar is compiled.
+        Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`."""
         if request.request_id in self.output_processor.requests or request.request_id in self._compiling:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
+        bound = self.config.max_waiting_seqs
+        waiting = self._num_waiting_seqs()
+        # Those free seats will take at the next step do not count as queued.
+        if bound is not None and waiting + request.params.n > bound + self.scheduler.num_free_seats:
+            self._rejected += 1
+            raise EngineOverloaded(f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); "
+                                   "retry later", code="overloaded")
         spec = request.params.structured_outputs
         if spec is None:
             self._schedule_request(request, None)
@@ -216,11 +233,14 @@ class LLMEngine:
             failures.append(RequestFailure(request_id, f"engine error: {type(exc).__name__}: {exc}"))
         return failures
 
+    def _num_waiting_seqs(self) -> int:
+        return self.scheduler.num_waiting_seqs + sum(r.params.n for r, _ in self._compiling.values())
+
     def stats(self) -> EngineStats:
         kv = self.block_manager.stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + sum(r.params.n for r, _ in self._compiling.values()),
+            num_waiting=self._num_waiting_seqs(),
             kv_blocks_total=kv.total,
             kv_blocks_used=kv.used,
             kv_blocks_free=kv.free,
@@ -231,4 +251,5 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             aborted_requests=self._aborted,
+            rejected_requests=self._rejected,
         )

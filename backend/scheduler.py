@@ -107,6 +107,16 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences without a seat: waiting ones and the siblings they will fork."""
+        return sum(1 + len(s.fork_pending) for s in self._waiting)
+
+    @property
+    def num_free_seats(self) -> int:
+        """Seats (max_num_seqs) no running sequence or sibling to be forked holds."""
+        return self.config.max_num_seqs - sum(1 + len(s.fork_pending) for s in self._running)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

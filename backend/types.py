@@ -30,6 +30,10 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+class EngineOverloaded(InvalidRequestError):
+    """The engine's queue is full: the request is refused at once rather than queued without end."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop string or a stop token id
     LENGTH = "length"  # max_tokens or the context window
@@ -349,13 +353,14 @@ class RequestFailure:
 
     request_id: str
     message: str
-    error_type: str = "engine_error"  # or "invalid_request_error" (refused before it ran)
+    error_type: str = "engine_error"  # or "invalid_request_error" (refused before it ran), "overloaded"
     param: str | None = None
     code: str | None = None
 
     @classmethod
     def refused(cls, request_id: str, error: InvalidRequestError) -> RequestFailure:
-        return cls(request_id, error.message, "invalid_request_error", error.param, error.code)
+        kind = "overloaded" if isinstance(error, EngineOverloaded) else "invalid_request_error"
+        return cls(request_id, error.message, kind, error.param, error.code)
 
 
 EngineOutput = StepOutput | RequestFailure

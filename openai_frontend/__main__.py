@@ -6,13 +6,16 @@ import uvicorn
 
 from openai_frontend.app import create_app
 from openai_frontend.settings import parse_settings
+from openai_frontend.shutdown import GracefulServer
 from openai_frontend.triton_client import TritonEngineClient
 
 
 def main() -> None:
     settings = parse_settings()
     app = create_app(TritonEngineClient(settings.triton_url), settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=5)
+    GracefulServer(config, app.state.drain).run()
 
 
 if __name__ == "__main__":

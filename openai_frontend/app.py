@@ -20,11 +20,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_frontend.engine_client import EngineClient
-from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, RequestTooLarge, RouteNotFound
+from openai_frontend.errors import (
+    EngineFailure,
+    EngineUnavailable,
+    FrontendError,
+    InvalidRequest,
+    RequestTooLarge,
+    RouteNotFound,
+)
 from openai_frontend.metrics import Metrics
 from openai_frontend.routers import chat, completions, health, misc, models, tokenize
 from openai_frontend.service import Service
 from openai_frontend.settings import Settings
+from openai_frontend.shutdown import Drain
 from openai_frontend.tokenizer_api import TokenizerAPI
 
 log = logging.getLogger("openai_frontend")
@@ -46,6 +54,7 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.state.service = Service(engine, settings, metrics)
     app.state.tokenizer_api = TokenizerAPI(engine, app.state.service.tokenizers)
     app.state.started = int(time.time())
+    app.state.drain = Drain(engine, metrics, settings.shutdown_grace_s)
     for module in (completions, chat, models, health, tokenize, misc):
         app.include_router(module.router)
 
@@ -57,6 +66,7 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(_RefuseWhileDraining, drain=app.state.drain)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     return app
 
@@ -172,3 +182,21 @@ class _BodyLimit:
                 await _error_response(too_large)(scope, receive, send)
 
         await self.app(scope, counted, send_413_instead)
+
+
+class _RefuseWhileDraining:
+    """While shutting down (shutdown.py): readiness and every new request get a 503; liveness and
+    metrics still answer."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.drain.draining or scope["path"] in ("/health", "/metrics"):
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/health/ready":
+            response = JSONResponse({"status": "shutting down"}, status_code=503)
+        else:
+            response = _error_response(EngineUnavailable("the server is shutting down", code="shutting_down"))
+        await response(scope, receive, send)

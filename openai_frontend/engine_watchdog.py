@@ -82,6 +82,15 @@ class EngineWatchdog:
         if health is not None:
             health.watches.discard(w)
 
+    def kill_all(self, reason: str) -> int:
+        """Ends every open stream (the server is shutting down); returns how many there were."""
+        watches = [w for health in self._models.values() for w in health.watches]
+        for health in self._models.values():
+            health.watches = set()
+        for w in watches:
+            w.kill(reason)
+        return len(watches)
+
     def report_dead(self, model: str, reason: str) -> None:
         """A request learned that the engine is gone (Triton said its stub is not healthy)."""
         self._mark_down(self._health(model), model, reason)

@@ -83,6 +83,18 @@ class EngineUnavailable(FrontendError):
         super().__init__(message, param, code, retry_after_s=retry_after_s)
 
 
+class EngineOverloaded(FrontendError):
+    """The engine refused the request because its queue is full (wire error type `overloaded`)."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+    default_code = "overloaded"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
+                 retry_after_s: int | None = 1) -> None:
+        super().__init__(message, param, code, retry_after_s=retry_after_s)
+
+
 class EngineFailure(FrontendError):
     """The engine failed while running the request (Triton error JSON type `engine_error`)."""
 
@@ -114,6 +126,8 @@ def from_engine_message(message: str) -> FrontendError:
             code = data.get("code") if isinstance(data.get("code"), str) else None
             if data.get("type") == "invalid_request_error":
                 return InvalidRequest(data["message"], param, code)
+            if data.get("type") == "overloaded":
+                return EngineOverloaded(data["message"], param, code)
             return EngineFailure(data["message"], param, code)
     if "unknown model" in message.lower():
         return EngineUnavailable(message, "model")

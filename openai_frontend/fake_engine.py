@@ -87,6 +87,8 @@ class FakeEngineClient:
         self.calls: list[GenerateCall] = []
         self.cancelled: list[str] = []  # request ids whose stream was closed before its sequences finished
         self.closed = False
+        self._aborting: str | None = None
+        self._open = 0
 
     def _check_available(self) -> None:
         if not self.available:
@@ -111,8 +113,11 @@ class FakeEngineClient:
         self.calls.append(GenerateCall(model, prompt, params, request_id))
         finished: set[int] = set()
         done = False
+        self._open += 1
         try:
             for item in self.script(prompt, params):
+                if self._aborting is not None:
+                    raise EngineUnavailable(self._aborting)
                 if isinstance(item, Exception):
                     done = True
                     raise item
@@ -124,8 +129,13 @@ class FakeEngineClient:
                 yield dataclasses.replace(item, request_id=request_id)
             done = True
         finally:
+            self._open -= 1
             if not done and len(finished) < params.n:
                 self.cancelled.append(request_id)
+
+    def abort_all(self, reason: str) -> int:
+        self._aborting = reason  # each open stream raises at its next item
+        return self._open
 
     async def close(self) -> None:
         self.closed = True

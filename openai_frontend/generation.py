@@ -84,6 +84,7 @@ class Generation:
         queue: asyncio.Queue[_Output | _End | _Failed] = asyncio.Queue()
         tasks = [asyncio.create_task(self._produce(p, prompt, queue)) for p, prompt in enumerate(self.prompts)]
         self.metrics.requests_in_flight.inc()
+        self.metrics.in_flight += 1
         try:
             running = len(tasks)
             while running:
@@ -98,6 +99,7 @@ class Generation:
                 yield item.prompt_index, item.out
         finally:
             self.metrics.requests_in_flight.dec()
+            self.metrics.in_flight -= 1
             for task in tasks:
                 task.cancel()
             # Under a cancelled anyio scope (Starlette on disconnect) this await may be interrupted;

@@ -33,6 +33,7 @@ class Metrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.requests_in_flight = Gauge("frontend_requests_in_flight", "Generation requests being served",
                                         registry=r)
+        self.in_flight = 0  # the gauge's value, readable (graceful shutdown waits for it to reach 0)
         self.integrity_violations = Counter("frontend_stream_integrity_violations",
                                             "Triton responses that broke step order or came after a finish",
                                             registry=r)

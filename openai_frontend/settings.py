@@ -20,12 +20,15 @@ class Settings:
     log_level: str = "info"
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
+    shutdown_grace_s: float = 30.0  # on SIGTERM, how long open requests may run on
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
             raise ValueError("--default-max-tokens must be >= 1")
         if self.chat_default_max_tokens is not None and self.chat_default_max_tokens < 1:
             raise ValueError("--chat-default-max-tokens must be >= 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("--shutdown-grace-s must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
         if not 0 < self.port < 65536:
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                         help="largest request body accepted; a larger one gets a 413 before it is read (the default, "
                              "8 MiB, holds a prompt filling the context window many times over)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                        help="on SIGTERM: readiness and new requests get 503 at once, open requests run on for up to "
+                             "this long, then end with an error event")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level")
     return parser
@@ -71,6 +77,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         return Settings(triton_url=args.triton_url, host=args.host, port=args.port,
                         default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
                         cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level,
-                        tokenizer=args.tokenizer, max_request_bytes=args.max_request_bytes)
+                        tokenizer=args.tokenizer, max_request_bytes=args.max_request_bytes,
+                        shutdown_grace_s=args.shutdown_grace_s)
     except ValueError as e:
         parser.error(str(e))

@@ -32,7 +32,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from backend import wire
 from backend.types import SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
-from openai_frontend.engine_watchdog import EngineWatchdog, ProbesUnsupported
+from openai_frontend.engine_watchdog import DOWN_RETRY_AFTER_S, EngineWatchdog, ProbesUnsupported
 from openai_frontend.errors import (
     STUB_DEAD,
     EngineFailure,
@@ -161,6 +161,9 @@ class TritonEngineClient:
             self._client = grpcclient.InferenceServerClient(self.url)
         return self._client
 
+    def abort_all(self, reason: str) -> int:
+        return self.watchdog.kill_all(reason)
+
     async def close(self) -> None:
         await self.watchdog.close()
         if self._client is not None:
@@ -275,7 +278,7 @@ class TritonEngineClient:
             raise EngineFailure("Triton ended the stream before the request's final response")
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if killed:
-                raise EngineUnavailable(killed[0], retry_after_s=10) from None
+                raise EngineUnavailable(killed[0], retry_after_s=DOWN_RETRY_AFTER_S) from None
             if isinstance(e, asyncio.CancelledError):
                 raise
             if e.code() == grpc.StatusCode.UNAVAILABLE:

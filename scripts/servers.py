@@ -283,3 +283,7 @@ class Frontend(_Process):
         self._spawn(cmd, dict(os.environ), log_path)
         self.wait_ready(f"{self.url}/health/ready", timeout)
         return self
+
+    def stop(self, timeout: float = 45.0) -> None:
+        """SIGTERM: the frontend drains (up to its shutdown grace period, 30 s by default) and exits."""
+        super().stop(timeout)

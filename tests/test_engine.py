@@ -179,3 +179,22 @@ def test_random_requests_aborts_and_tiny_pools_keep_every_invariant(reqs, blocks
             assert stop not in "".join(m.text_delta for m in msgs)
     engine.block_manager.check_invariants()
     assert engine.block_manager.stats().used == 0
+
+
+def test_a_full_queue_refuses_new_requests_at_once():
+    from backend.types import EngineOverloaded
+
+    engine = tiny_engine(max_num_seqs=2, max_waiting_seqs=3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(2):  # free seats: these do not queue
+        engine.add_request(engine.make_request(f"run{i}", [1, 2, 3], params))
+    engine.step()  # both seated
+    engine.add_request(engine.make_request("wait0", [1, 2, 3], SamplingParams(n=2, max_tokens=4)))
+    engine.add_request(engine.make_request("wait1", [1, 2, 3], params))  # 3 waiting: the bound
+    with pytest.raises(EngineOverloaded, match="overloaded"):
+        engine.add_request(engine.make_request("wait2", [1, 2, 3], params))
+    assert engine.stats().rejected_requests == 1 and engine.stats().num_waiting == 3
+    outputs = run_to_completion(engine)  # what was admitted is served whole
+    finished = {o.request_id for o in outputs if isinstance(o, StepOutput) and o.request_finished}
+    assert finished == {"run0", "run1", "wait0", "wait1"}
+    engine.add_request(engine.make_request("later", [1, 2, 3], params))  # room again

@@ -644,3 +644,27 @@ async def test_oversized_bodies_get_413_before_parsing() -> None:
         ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 1})
         assert ok.status_code == 200
     assert len(engine.calls) == 1
+
+
+async def test_draining_refuses_new_work_and_ends_what_outlives_the_grace_period() -> None:
+    slow = lambda prompt, params: [x for s in scripted_steps([[f"t{i} " for i in range(50)]]) for x in (s, 0.02)]
+    engine = FakeEngineClient(slow)
+    app = create_app(engine, Settings(shutdown_grace_s=0.3))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        async def stream_events() -> list[Any]:
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+            return parse_sse(r.text)
+
+        open_stream = asyncio.create_task(stream_events())
+        while app.state.metrics.in_flight == 0:
+            await asyncio.sleep(0.01)
+        drain = asyncio.create_task(app.state.drain.run())
+        await asyncio.sleep(0.05)
+        assert (await client.get("/health/ready")).status_code == 503
+        assert (await client.get("/health")).status_code == 200
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" and r.headers["retry-after"]
+        await drain
+        events = await open_stream
+        assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
+        assert app.state.metrics.in_flight == 0

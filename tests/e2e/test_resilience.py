@@ -1,9 +1,13 @@
-"""Breaking a running server on purpose: the engine process (the model's Python-backend stub) killed
-with SIGKILL mid-stream. Its own tritonserver and frontend: this test kills things.
-
-Asserted: every open stream ends within 10 s with an error event and [DONE]; readiness (ours and
-Triton's model readiness) says not ready within 10 s; new requests get a 503 JSON with Retry-After
-at once; the model serves again within 90 s with nobody restarting anything.
+"""Breaking a running server on purpose, with servers of its own (these tests kill things):
+- overload past the queue bound: 503 + Retry-After at once, what is admitted is served whole;
+- SIGTERM to the frontend: readiness and new requests 503 at once, short streams finish, a long one
+  ends with an error event when the grace period is over;
+- the engine process (the model's Python-backend stub) killed with SIGKILL mid-stream: every open
+  stream ends within 10 s with an error event and [DONE], readiness (ours and Triton's model
+  readiness) says not ready within 10 s, new requests get a 503 with Retry-After at once, and the
+  model serves again within 90 s with nobody restarting anything;
+- SIGTERM to `make serve`: no tritonserver or stub process left behind;
+- an oversized body: 413 at once.
 """
 
 from __future__ import annotations
@@ -11,22 +15,39 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
+
+from pathlib import Path
 
 import httpx
 import pytest
 
 from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+from tests.e2e.triton_stream import metric_value
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def own_servers():
+def own_servers(tmp_path_factory):
+    """A model repository of its own with a tight queue: 4 seats, 2 waiting sequences."""
     logs = REPO_ROOT / "artifacts" / "test-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    repository = tmp_path_factory.mktemp("repository")
+    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, repository / DEFAULT_MODEL)
+    config = repository / DEFAULT_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key, value in (("max_num_seqs", "4"), ("max_waiting_seqs", "2")):
+        text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert count == 1, key
+    config.write_text(text)
+    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          model_repository=repository)
     triton.start(log_path=logs / "tritonserver-resilience.log")
     frontend = Frontend(triton.grpc_url, port=free_port())
     try:
@@ -48,6 +69,52 @@ async def read_stream(http: httpx.AsyncClient, started: asyncio.Event, body: dic
                 if len(events) == 3:
                     started.set()
     return events, time.monotonic()
+
+
+async def test_overload_past_the_queue_bound_is_refused_at_once(own_servers):
+    triton, frontend = own_servers
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+    rejected_before = metric_value(triton.metrics_url, "llm_rejected_requests_total")
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
+        responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(12)))
+    served = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 503]
+    assert len(served) + len(refused) == 12 and len(served) >= 4 and refused
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in served)
+    for r in refused:
+        assert r.json()["error"]["code"] == "overloaded" and int(r.headers["retry-after"]) > 0
+    deadline = time.monotonic() + 5  # (Triton publishes the counter from the engine's stats)
+    while metric_value(triton.metrics_url, "llm_rejected_requests_total") - rejected_before < len(refused):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+async def test_sigterm_drains_the_frontend(own_servers):
+    triton, _ = own_servers
+    frontend = Frontend(triton.grpc_url, port=free_port(), extra_args=["--shutdown-grace-s", "4"])
+    frontend.start(log_path=REPO_ROOT / "artifacts" / "test-logs" / "frontend-drain.log")
+    short = {"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    long = {**short, "max_tokens": 2000}
+    try:
+        async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
+            starts = [asyncio.Event() for _ in range(3)]
+            streams = [asyncio.create_task(read_stream(http, s, b)) for s, b in zip(starts, (short, short, long))]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 60)
+            frontend.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.3)
+            assert (await http.get("/health/ready")).status_code == 503
+            r = await http.post("/v1/completions", json={**short, "stream": False})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        for events, _ in results[:2]:  # finished within the grace period: whole, no error
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        events, ended = results[2]
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert 3 < ended - signalled < 10
+        frontend.proc.wait(15)
+    finally:
+        frontend.stop()
 
 
 async def test_killed_engine_process_ends_streams_and_comes_back(own_servers):
@@ -107,3 +174,49 @@ def test_oversized_and_huge_requests_are_refused_at_once(servers):
     assert time.monotonic() - t0 < 5
     r = httpx.post(url, json={"model": servers.model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_sigterm_to_make_serve_leaves_no_process_behind(tmp_path):
+    ports = {name: str(free_port()) for name in ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT",
+                                                 "TRITON_METRICS_PORT")}
+    serve = subprocess.Popen([sys.executable, "-m", "scripts.serve"], cwd=REPO_ROOT, env={**os.environ, **ports},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports['FRONTEND_PORT']}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and serve.poll() is None, "make serve did not come up"
+            time.sleep(0.5)
+        tritons = [pid for pid in _pids_with(f"--grpc-port={ports['TRITON_GRPC_PORT']}")]
+        assert len(tritons) == 1 and stub_processes(tritons[0])
+        stubs = list(stub_processes(tritons[0]))
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0
+        for pid in tritons + stubs:
+            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), f"process {pid} left behind"
+        assert not _pids_with(f"--port {ports['FRONTEND_PORT']}")
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+def _pids_with(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" "):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -53,6 +53,7 @@ _COUNTERS = {
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later)",
     "aborted_requests": "Requests aborted (client cancelled)",
+    "rejected_requests": "Requests refused because too many sequences were waiting (max_waiting_seqs)",
 }
 
 
