@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval clean
+.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -49,6 +49,11 @@ perf: venv
 
 genai-perf: venv
 	$(PY) -m scripts.perf_tools genai-perf
+
+# Mixed traffic against the real servers for MINUTES (10), then one JSON line: errors, integrity
+# violations and KV blocks left in use must be none (benchmarks/soak.py).
+soak: cpu-kernels
+	$(PY) benchmarks/soak.py --minutes $(or $(MINUTES),10)
 
 # lm-evaluation-harness (pinned, in .tools/lm-eval) against a running `make serve`: make lm-eval TASKS=hellaswag LIMIT=100
 lm-eval: venv
