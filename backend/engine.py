@@ -150,7 +150,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         bound = self.config.max_waiting_seqs
         waiting = self._num_waiting_seqs()
-        # Those free seats will take at the next step do not count as queued.
+        # Sequences the free seats take at the next step are not queued.
         if bound is not None and waiting + request.params.n > bound + self.scheduler.num_free_seats:
             self._rejected += 1
             raise EngineOverloaded(f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); "

@@ -121,7 +121,11 @@ class OutputProcessor:
         elif (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH
 
-        text = token_text + (seq.detokenizer.flush() if finish is not None else "")
+        if finish is not None:
+            # What the detokenizer still held (an unfinished character) is this last token's text too,
+            # so the logprob tokens of a sequence join to its text.
+            token_text += seq.detokenizer.flush()
+        text = token_text
         if seq.stop_matcher is not None:
             matched = None
             if may_stop:  # before min_tokens the text bypasses the matcher

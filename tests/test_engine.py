@@ -198,3 +198,13 @@ def test_a_full_queue_refuses_new_requests_at_once():
     finished = {o.request_id for o in outputs if isinstance(o, StepOutput) and o.request_finished}
     assert finished == {"run0", "run1", "wait0", "wait1"}
     engine.add_request(engine.make_request("later", [1, 2, 3], params))  # room again
+
+
+def test_a_sequence_cut_mid_character_gives_its_last_token_the_held_text():
+    """Regression (found by the soak): the text flushed at the end was in the text, not in the logprob tokens."""
+    engine = tiny_engine()
+    partial = next(i for i in range(engine.tokenizer.vocab_size) if engine.tokenizer.token_text(i) == "\ufffd")
+    params = SamplingParams(max_tokens=1, logprobs=0, logit_bias=((partial, 100.0),), temperature=0)
+    engine.add_request(engine.make_request("cut", [1, 2, 3], params))
+    [out] = [o for o in run_to_completion(engine) if isinstance(o, StepOutput)]
+    assert out.text_delta == "\ufffd" and out.logprobs.token_texts == ("\ufffd",)

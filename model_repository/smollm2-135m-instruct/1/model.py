@@ -34,9 +34,9 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from backend import wire  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineStats, LLMEngine  # noqa: E402
-from backend import wire  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
 
