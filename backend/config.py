@@ -85,3 +85,14 @@ class RuntimeInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+
+
+def instance_settings(params: dict[str, str], kind: str, cpu_instances: int, cpu_threads: int) -> dict[str, str]:
+    """Settings one model instance adds to its config's parameters (Triton runs one engine per instance):
+    a GPU instance runs on CUDA (the caller selects its device); on CPU, num_threads "auto" is an equal
+    share of `cpu_threads` among the group's `cpu_instances` engines."""
+    if kind == "GPU":
+        return {"device": "cuda"}
+    if params.get("num_threads", "").strip().lower() == "auto":
+        return {"num_threads": str(max(1, cpu_threads // max(1, cpu_instances)))}
+    return {}

@@ -1,18 +1,18 @@
-"""`python -m openai_frontend --help`: serve the OpenAI API for the models of a Triton server."""
+"""`python -m openai_frontend --help`: serve the OpenAI API for the models of one or more Triton servers."""
 
 from __future__ import annotations
 
 import uvicorn
 
 from openai_frontend.app import create_app
+from openai_frontend.server_pool import ServerPool
 from openai_frontend.settings import parse_settings
 from openai_frontend.shutdown import GracefulServer
-from openai_frontend.triton_client import TritonEngineClient
 
 
 def main() -> None:
     settings = parse_settings()
-    app = create_app(TritonEngineClient(settings.triton_url), settings)
+    app = create_app(ServerPool(settings.triton_urls), settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=5)
     GracefulServer(config, app.state.drain).run()

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,6 +52,8 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    if isinstance(getattr(engine, "registry", None), CollectorRegistry):
+        metrics.extra_registries.append(engine.registry)  # type: ignore[attr-defined]
     app.state.service = Service(engine, settings, metrics)
     app.state.tokenizer_api = TokenizerAPI(engine, app.state.service.tokenizers)
     app.state.started = int(time.time())

@@ -7,8 +7,9 @@ model's `execute` on Triton's thread, without the engine, with the id of the ins
 sent every `interval_s` while any stream of the model is open (and on readiness checks, and while
 the model is down). A probe that fails or times out marks the model down: its open streams end
 with EngineUnavailable at once, and new requests get a 503 until a probe succeeds again. A probe
-answered by another instance id means the engine was restarted in between: the streams opened
-before then end the same way. (Triton's own model control brings the engine back:
+answered by an instance whose life id changed means the engine was restarted in between: the
+streams opened before then end the same way. (With several instances of a model, each answers
+probes in turn, under its own instance name.) (Triton's own model control brings the engine back:
 scripts/servers.py reloads a model whose stub died.)
 
 Ending a stream is its owner's business: it registers a `kill(reason)` callback and is told.
@@ -35,16 +36,15 @@ class ProbesUnsupported(Exception):
 
 @dataclass(eq=False)
 class Watch:
-    """One open stream of `model`, started while `instance` was the live one (None: not yet known)."""
+    """One open stream of `model`."""
 
     model: str
     kill: Callable[[str], None]
-    instance: str | None = None
 
 
 @dataclass
 class _ModelHealth:
-    instance: str | None = None
+    lives: dict[str, str] = field(default_factory=dict)  # model instance name -> the id of its current life
     down: str | None = None  # why, while the engine does not answer
     last_probe: float = float("-inf")
     probing: asyncio.Future | None = None
@@ -64,6 +64,10 @@ class EngineWatchdog:
     def knows(self, model: str) -> bool:
         return model in self._models
 
+    def is_down(self, model: str) -> bool:
+        health = self._models.get(model)
+        return health is not None and health.down is not None
+
     def check(self, model: str) -> None:
         """Raises EngineUnavailable (with Retry-After) while the model's engine is down."""
         health = self._models.get(model)
@@ -72,7 +76,7 @@ class EngineWatchdog:
 
     def watch(self, model: str, kill: Callable[[str], None]) -> Watch:
         health = self._health(model)
-        w = Watch(model, kill, health.instance)
+        w = Watch(model, kill)
         health.watches.add(w)
         self._ensure_running()
         return w
@@ -151,16 +155,20 @@ class EngineWatchdog:
             health.probing = None
 
     def _mark_up(self, health: _ModelHealth, model: str, instance: str) -> None:
+        """`instance` is "<model instance name>-<id of its life>": with several instances (count > 1) each
+        answers in turn; one whose life changed was restarted, and so was the model (it is reloaded whole):
+        the streams open until now were on engines that are gone."""
         if health.down is not None:
             log.warning("model %s is serving again (engine %s)", model, instance)
-        previous, health.instance, health.down = health.instance, instance, None
-        for w in list(health.watches):
-            if w.instance is None:
-                w.instance = instance  # opened before anything was known: taken to be on this one
-            elif w.instance != instance:
-                health.watches.discard(w)
+        health.down = None
+        name, _, life = instance.rpartition("-")
+        previous = health.lives.get(name)
+        health.lives[name] = life
+        if previous is not None and previous != life:
+            watches, health.watches = health.watches, set()
+            for w in watches:
                 w.kill(f"the engine of model `{model}` was restarted while this request ran "
-                       f"(engine {previous} -> {instance})")
+                       f"({name}: {previous} -> {life})")
 
     def _mark_down(self, health: _ModelHealth, model: str, reason: str) -> None:
         if health.down is None:

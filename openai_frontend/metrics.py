@@ -18,6 +18,7 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.extra_registries: list[CollectorRegistry] = []  # e.g. the server pool's per-server metrics
         r = self.registry
         self.requests = Counter("frontend_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
@@ -46,4 +47,4 @@ class Metrics:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(generate_latest(r) for r in (self.registry, *self.extra_registries))

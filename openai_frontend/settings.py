@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    triton_url: str = "localhost:8001"
+    triton_urls: tuple[str, ...] = ("localhost:8001",)  # Triton gRPC endpoints (openai_frontend/server_pool.py)
     host: str = "127.0.0.1"
     port: int = 9000
     default_max_tokens: int = 16  # completions, like OpenAI's
@@ -31,6 +31,8 @@ class Settings:
             raise ValueError("--shutdown-grace-s must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
+        if not self.triton_urls:
+            raise ValueError("give at least one --triton-url")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 
@@ -42,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP frontend (FastAPI) for the LLM served by Triton over gRPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint, host:port")
+    parser.add_argument("--triton-url", action="append", default=None, dest="triton_urls", metavar="HOST:PORT",
+                        help="a Triton gRPC endpoint (default localhost:8001); repeat it for several servers, or give "
+                             "a name that resolves to several addresses (a Kubernetes headless Service)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     parser.add_argument("--port", type=int, default=int(env_port) if env_port else 9000,
                         help="HTTP port (the environment variable FRONTEND_PORT, when set, replaces the default 9000)")
@@ -74,7 +78,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return Settings(triton_url=args.triton_url, host=args.host, port=args.port,
+        return Settings(triton_urls=tuple(args.triton_urls or ["localhost:8001"]), host=args.host, port=args.port,
                         default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
                         cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level,
                         tokenizer=args.tokenizer, max_request_bytes=args.max_request_bytes,

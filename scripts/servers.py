@@ -199,7 +199,8 @@ class TritonServer(_Process):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.model_repository = model_repository
         self.extra_env = extra_env or {}
-        self.supervisor = StubSupervisor(self) if supervise else None
+        self.supervise = supervise
+        self.supervisor: StubSupervisor | None = None
 
     @property
     def grpc_url(self) -> str:
@@ -237,7 +238,8 @@ class TritonServer(_Process):
         ]
         self._spawn(cmd, env, log_path)
         self.wait_ready(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout)
-        if self.supervisor is not None:
+        if self.supervise:
+            self.supervisor = StubSupervisor(self)
             self.supervisor.start()
         return self
 

@@ -140,7 +140,9 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests: list[service_pb2.ModelInferRequest] = []
         self.cancelled = asyncio.Event()
         self.models = {"llm": ("READY", "llm"), "resnet": ("READY", "image"), "llm-loading": ("LOADING", "llm")}
-        self.instance: str | None = "engine-1"  # what health probes answer; None: an error, as a dead stub's
+        # What health probes answer ("<instance name>-<life id>"; a list: instances in turn); None: an error,
+        # as a dead stub's.
+        self.instance: str | list[str] | None = "engine-1"
         self.probes = 0
 
     async def ServerReady(self, request, context):  # noqa: N802 - gRPC method names
@@ -179,7 +181,8 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             return service_pb2.ModelStreamInferResponse(error_message=f"Stub process '{model}_0_0' is not healthy.")
         response = service_pb2.ModelInferResponse(model_name=model)
         response.outputs.add(name="health", datatype="BYTES", shape=[1])
-        health = json.dumps({"instance": self.instance, "engine": "running"}).encode()
+        instance = self.instance[self.probes % len(self.instance)] if isinstance(self.instance, list) else self.instance
+        health = json.dumps({"instance": instance, "engine": "running"}).encode()
         response.raw_output_contents.append(serialize_byte_tensor(np.array([health], dtype=np.object_)).item())
         response.parameters["triton_final_response"].bool_param = True
         return service_pb2.ModelStreamInferResponse(infer_response=response)
@@ -414,3 +417,23 @@ async def test_not_healthy_from_a_request_marks_the_model_down_and_the_app_says_
         await asyncio.sleep(0.1)
         assert (await http.get("/health/ready")).status_code == 200
     await app.state.engine.close()
+
+
+async def test_several_instances_answering_in_turn_are_not_a_restart(triton) -> None:
+    server, url = triton
+    server.instance = ["llm_0_0-aaa", "llm_0_1-bbb"]
+    server.responder = _slow_steps(30)
+    client = TritonEngineClient(url, probe_interval_s=0.02, probe_timeout_s=1.0)
+    try:
+        outs = [o async for o in client.generate("llm", "x", SamplingParams(max_tokens=30), "r")]
+        assert len(outs) == 30 and server.probes >= 4
+        server.responder = _slow_steps(200)
+        stream = client.generate("llm", "x", SamplingParams(max_tokens=200), "r2")
+        assert (await anext(stream)).step == 0
+        server.instance = ["llm_0_0-ccc", "llm_0_1-bbb"]  # instance 0 was restarted
+        with pytest.raises(EngineUnavailable, match="restarted"):
+            async with asyncio.timeout(5):
+                async for _ in stream:
+                    pass
+    finally:
+        await client.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import EngineConfig
+from backend.config import EngineConfig, instance_settings
 from tests.engine_helpers import smollm2_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "smollm2-135m-instruct" / "config.pbtxt"
@@ -30,9 +30,17 @@ def test_config_is_decoupled_python_backend():
 
 def test_engine_parameters_build_a_valid_engine_config():
     params = pbtxt_parameters()
-    config = EngineConfig.from_strings(params)
+    config = EngineConfig.from_strings({**params, **instance_settings(params, "CPU", cpu_instances=1, cpu_threads=2)})
     assert config.model == "smollm2" and config.device == "cpu" and config.enable_prefix_caching
-    assert params["model_type"] == "llm"
+    assert config.num_threads == 2 and params["model_type"] == "llm"
+
+
+def test_instances_split_the_cores_or_take_a_gpu_each():
+    auto = {"num_threads": "auto"}
+    assert instance_settings(auto, "CPU", cpu_instances=2, cpu_threads=16) == {"num_threads": "8"}
+    assert instance_settings(auto, "CPU", cpu_instances=4, cpu_threads=2) == {"num_threads": "1"}
+    assert instance_settings({"num_threads": "3"}, "CPU", cpu_instances=2, cpu_threads=16) == {}
+    assert instance_settings(auto, "GPU", cpu_instances=0, cpu_threads=16) == {"device": "cuda"}
 
 
 def test_chat_template_and_special_tokens_match_the_gguf():

@@ -5,6 +5,8 @@ the tokenizer endpoints, chat template controls, /invocations, and the Triton-le
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -122,3 +124,29 @@ async def test_triton_level_prompt_logprobs_keep_the_step_contract(servers, engi
     for steps in result.by_seq().values():
         assert steps[0].prompt_token_ids == ids and len(steps[0].prompt_logprobs) == len(ids) - 1
         assert all(r.prompt_token_ids is None for r in steps[1:])
+
+
+def test_token_names_template_kwargs_custom_roles_and_streamed_chat_echo(servers, engine):
+    root, model = servers.frontend.url, servers.model
+    r = httpx.post(f"{servers.base_url}/completions", timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True,
+        "return_token_ids": True, "temperature": 0}).json()
+    choice = r["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    # The template's own variable, overridden through chat_template_kwargs: no generation prompt rendered.
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
+    kwargs = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages,
+                                                  "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    assert plain[:len(kwargs["tokens"])] == kwargs["tokens"] and len(plain) > kwargs["count"]
+    custom = httpx.post(f"{root}/tokenize", json={"model": model, "return_token_strs": True,
+                                                  "messages": [{"role": "narrator", "content": "Once"}]}).json()
+    assert "narrator" in "".join(custom["token_strs"])
+    body = {"model": model, "max_tokens": 3, "temperature": 0, "stream": True, "echo": True,
+            "continue_final_message": True, "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue and"}]}
+    with httpx.stream("POST", f"{servers.base_url}/chat/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert content.startswith("Blue and") and len(content) > len("Blue and")

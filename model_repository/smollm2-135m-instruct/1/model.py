@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend import wire  # noqa: E402
-from backend.config import EngineConfig  # noqa: E402
+from backend.config import EngineConfig, instance_settings  # noqa: E402
 from backend.engine import EngineStats, LLMEngine  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
@@ -61,11 +61,12 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        params.update(_placement(args, model_config, params))
         self.engine = LLMEngine(EngineConfig.from_strings(params))
         # Names this instance's life: a probe that sees another one knows the engine was restarted.
         self.instance_id = f"{args['model_instance_name']}-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
-        self._init_metrics(args["model_name"])
+        self._init_metrics(args["model_name"], args["model_instance_name"])
         self.loop = EngineLoop(self.engine, send=self._send, is_cancelled=lambda s: s.is_cancelled(),
                                on_stats=self._publish_stats)
         self.loop.start()
@@ -133,8 +134,8 @@ class TritonPythonModel:
 
     # -- metrics ------------------------------------------------------------------------------
 
-    def _init_metrics(self, model_name):
-        labels = {"model": model_name}
+    def _init_metrics(self, model_name, instance_name):
+        labels = {"model": model_name, "instance": instance_name}
         kind = pb_utils.MetricFamily
         # The families must outlive their metrics, so keep them too.
         self._families = {name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE)
@@ -157,6 +158,19 @@ class TritonPythonModel:
             if value > self._last_counts[name]:
                 metric.increment(float(value - self._last_counts[name]))
                 self._last_counts[name] = value
+
+
+def _placement(args, model_config, params):
+    """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances each
+    on their own device (model_instance_device_id), CPU instances splitting the cores."""
+    import torch
+
+    kind = args.get("model_instance_kind", "CPU")
+    if kind == "GPU":
+        torch.cuda.set_device(int(args["model_instance_device_id"]))
+    cpu_instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])
+                        if g.get("kind", "KIND_CPU") == "KIND_CPU")
+    return instance_settings(params, kind, cpu_instances, torch.get_num_threads())  # torch's default: one per core
 
 
 def _step_tensors(out: StepOutput):

@@ -1,0 +1,162 @@
+"""Scaling out on the real servers: two model instances in one tritonserver, and one frontend over two
+tritonservers (one thread each) with prefix affinity, fail-over and return."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+
+from openai_frontend.server_pool import affinity_key, rendezvous_order
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+
+pytestmark = pytest.mark.slow
+LOGS = REPO_ROOT / "artifacts" / "test-logs"
+
+
+def repository(tmp: Path, **settings: str) -> Path:
+    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, tmp / DEFAULT_MODEL)
+    config = tmp / DEFAULT_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key, value in settings.items():
+        if key == "instance_group":
+            text, count = re.subn(r"instance_group \[.*\]", f"instance_group [ {value} ]", text)
+        else:
+            text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert count == 1, key
+    config.write_text(text)
+    return tmp
+
+
+def metrics(url: str, name: str) -> dict[str, float]:
+    """Values of one metric by its `instance` label (or "" without one)."""
+    with urllib.request.urlopen(url, timeout=5) as f:
+        text = f.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            instance = re.search(r'instance="([^"]+)"', line)
+            out[instance.group(1) if instance else ""] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def read_stream(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> list[str]:
+    events = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None and len(events) == 2:
+                    started.set()
+    return events
+
+
+async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_blocks(tmp_path):
+    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          model_repository=repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"))
+    triton.start(log_path=LOGS / "tritonserver-instances.log")
+    frontend = Frontend(triton.grpc_url, port=free_port())
+    try:
+        frontend.start(log_path=LOGS / "frontend-instances.log")
+        assert len(stub_processes(triton.proc.pid)) == 2
+        body = {"model": DEFAULT_MODEL, "max_tokens": 24, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json={**body, "prompt": f"Story {i}:"})
+                                               for i in range(8)))
+            assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24 for r in responses)
+            generated = metrics(triton.metrics_url, "llm_generation_tokens_total")
+            assert len(generated) == 2 and all(v > 0 for v in generated.values()), generated  # both engines
+
+            started = asyncio.Event()
+            long = asyncio.create_task(read_stream(http, {**body, "prompt": "Once", "max_tokens": 2000, "stream": True},
+                                                   started))
+            await asyncio.wait_for(started.wait(), 60)
+            deadline = time.monotonic() + 10
+            while not (busy := [i for i, v in metrics(triton.metrics_url, "llm_kv_blocks_used").items() if v > 0]):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            aborted = metrics(triton.metrics_url, "llm_aborted_requests_total")
+            long.cancel()  # the client goes away
+            await asyncio.gather(long, return_exceptions=True)
+        deadline = time.monotonic() + 15
+        while metrics(triton.metrics_url, "llm_kv_blocks_used")[busy[0]] > 0:
+            assert time.monotonic() < deadline, "the engine that ran the cancelled request kept its blocks"
+            await asyncio.sleep(0.2)
+        after = metrics(triton.metrics_url, "llm_aborted_requests_total")
+        assert after[busy[0]] == aborted.get(busy[0], 0) + 1  # aborted in the engine that ran it
+    finally:
+        frontend.stop()
+        triton.stop()
+
+
+def prompts_preferring(url: str, urls: list[str], count: int, prefix: str = "") -> list[str]:
+    found = (f"{prefix}Question {i}: tell me something." for i in range(10_000))
+    return [p for p in found if rendezvous_order(affinity_key(p), urls)[0] == url][:count]
+
+
+async def test_one_frontend_over_two_tritonservers(tmp_path):
+    repo = repository(tmp_path, num_threads="1")
+    tritons = [TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_repository=repo) for _ in range(2)]
+    for i, t in enumerate(tritons):
+        t.start(log_path=LOGS / f"tritonserver-pool-{i}.log")
+    urls = [t.grpc_url for t in tritons]
+    frontend = Frontend(urls[0], port=free_port(), extra_args=["--triton-url", urls[1]])
+    try:
+        frontend.start(log_path=LOGS / "frontend-pool.log")
+        body = {"model": DEFAULT_MODEL, "max_tokens": 4, "temperature": 0}
+        async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
+            assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == [DEFAULT_MODEL]
+            # Requests reach both servers, each where its prompt hashes.
+            for t, url in zip(tritons, urls):
+                before = metrics(t.metrics_url, "llm_prompt_tokens_total")[f"{DEFAULT_MODEL}_0_0"]
+                for prompt in prompts_preferring(url, urls, 2):
+                    assert (await http.post("/v1/completions", json={**body, "prompt": prompt})).status_code == 200
+                assert metrics(t.metrics_url, "llm_prompt_tokens_total")[f"{DEFAULT_MODEL}_0_0"] > before
+
+            # A long shared prefix: both requests on one server, whose prefix cache then hits.
+            system = "You are a careful assistant who answers in one short sentence. " * 12
+            for question in ("What is the capital of Italy?", "What is the largest ocean?"):
+                assert (await http.post("/v1/completions", json={**body, "prompt": system + question})).status_code == 200
+            home = urls.index(rendezvous_order(affinity_key(system + "x"), urls)[0])
+            assert metrics(tritons[home].metrics_url, "llm_prefix_cache_hit_ratio")[f"{DEFAULT_MODEL}_0_0"] > 0
+
+            # SIGKILL one server mid-stream: its streams end with an error event; every next request succeeds.
+            victim = tritons[0]
+            started = asyncio.Event()
+            prompt = prompts_preferring(urls[0], urls, 1)[0]
+            doomed = asyncio.create_task(read_stream(http, {**body, "prompt": prompt, "max_tokens": 2000,
+                                                            "ignore_eos": True, "stream": True}, started))
+            await asyncio.wait_for(started.wait(), 60)
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            events = await asyncio.wait_for(doomed, 30)
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+            for p in prompts_preferring(urls[0], urls, 4) + prompts_preferring(urls[1], urls, 2):
+                r = await http.post("/v1/completions", json={**body, "prompt": p})
+                assert r.status_code == 200, r.text
+            assert (await http.get("/health/ready")).status_code == 200
+
+            # Back: it gets its traffic again.
+            victim.proc.wait(10)
+            victim.start(log_path=LOGS / "tritonserver-pool-0-again.log")
+            deadline = time.monotonic() + 60
+            while True:
+                for p in prompts_preferring(urls[0], urls, 2, prefix=f"{time.monotonic()} "):
+                    assert (await http.post("/v1/completions", json={**body, "prompt": p})).status_code == 200
+                if metrics(victim.metrics_url, "llm_prompt_tokens_total").get(f"{DEFAULT_MODEL}_0_0", 0) > 0:
+                    break
+                assert time.monotonic() < deadline, "the restarted server got no traffic"
+                await asyncio.sleep(1)
+    finally:
+        frontend.stop()
+        for t in tritons:
+            t.stop()
