@@ -8,10 +8,11 @@ Where a request goes:
 - **Unless it is much busier.** When the preferred server has `BUSY_MARGIN` more requests in flight
   than the least busy one (and more than twice as many), the least busy one takes the request.
 - One engine request carries all n sequences of a prompt, so they stay on one server.
-- **Health.** A server whose engine watchdog says the model is down, or that failed
-  `FAILURES_TO_EJECT` requests in a row, is taken out; a background check every `CHECK_INTERVAL_S`
-  puts it back when it answers ready again. A request refused before anything was streamed (server
-  unreachable) is tried on the next server; a stream that breaks midway ends with an error event.
+- **Health.** A server whose engine watchdog says the model is down gets no requests for it; one
+  that refused `FAILURES_TO_EJECT` requests in a row before their first token is taken out (used
+  only when no other server can take a request) until a check every `CHECK_INTERVAL_S` finds it
+  ready again. A request refused before anything was streamed (server unreachable) is tried on the
+  next server; a stream that breaks midway ends with an error event.
 - **Discovery.** Each `--triton-url` is resolved; a name with several addresses (a Kubernetes headless
   Service) becomes one server per address, resolved again every `RESOLVE_INTERVAL_S`.
 
@@ -152,9 +153,9 @@ class ServerPool:
                 server.failures = 0
                 return
             except EngineUnavailable:
+                if started:  # tokens were sent: the stream ends with an error event, not a second answer (an
+                    raise    # engine that died midway is its watchdog's business, not a mark against the server)
                 self._failed(server)
-                if started:
-                    raise  # tokens were sent: the stream ends with an error event, not a second answer
             finally:
                 server.in_flight -= 1
                 self._m_in_flight.labels(server.url).dec()
@@ -172,8 +173,10 @@ class ServerPool:
     # -- routing --------------------------------------------------------------------------------------
 
     def _choose(self, model: str, prompt: str | list[int], exclude: set[str]) -> _Server | None:
-        candidates = [s for s in self._healthy() if s.url not in exclude and (not s.models or model in s.models)
-                      and not s.client.watchdog.is_down(model)]
+        usable = [s for s in self._servers.values() if s.url not in exclude and (not s.models or model in s.models)
+                  and not s.client.watchdog.is_down(model)]
+        # Taken-out servers only as a last resort (a lone server is still tried while it is being checked).
+        candidates = [s for s in usable if not s.ejected] or usable
         if not candidates:
             return None
         by_url = {s.url: s for s in candidates}

@@ -40,6 +40,9 @@ class TritonInstall:
 
     @classmethod
     def find(cls) -> TritonInstall:
+        ngc = Path("/opt/tritonserver")
+        if (ngc / "bin" / "tritonserver").exists():  # NVIDIA's Triton container (docker/Dockerfile.gpu)
+            return cls(ngc / "bin" / "tritonserver", ngc / "backends", os.environ.get("LD_LIBRARY_PATH", ""))
         site = _site_packages()
         root = site / "pytriton" / "tritonserver"
         binary = root / "bin" / "tritonserver"
@@ -54,6 +57,8 @@ class TritonInstall:
 
     def ensure_stub(self) -> None:
         """The wheel ships one Python backend stub per Python version beside the backend, not in it."""
+        if (self.backend_dir / "python" / "triton_python_backend_stub").exists() and os.access(self.binary, os.X_OK):
+            return
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         stub = self.backend_dir.parent / "python_backend_stubs" / version / "triton_python_backend_stub"
         target = self.backend_dir / "python" / "triton_python_backend_stub"
@@ -194,8 +199,9 @@ class TritonServer(_Process):
 
     def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  model_repository: Path = MODEL_REPOSITORY, extra_env: dict[str, str] | None = None,
-                 supervise: bool = True) -> None:
+                 supervise: bool = True, address: str = "127.0.0.1") -> None:
         super().__init__()
+        self.address = address  # where its HTTP and gRPC endpoints listen (0.0.0.0 in a container)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.model_repository = model_repository
         self.extra_env = extra_env or {}
@@ -227,8 +233,8 @@ class TritonServer(_Process):
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            "--http-address=127.0.0.1",
-            "--grpc-address=127.0.0.1",
+            f"--http-address={self.address}",
+            f"--grpc-address={self.address}",
             "--exit-timeout-secs=5",
             "--log-verbose=0",
             # Explicit model control, every model loaded at start: the supervisor reloads a model

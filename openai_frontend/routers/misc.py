@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tomllib
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,9 @@ router = APIRouter()
 
 @cache
 def _version() -> str:
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    return tomllib.loads(pyproject.read_text())["project"]["version"]
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    found = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE)  # (no tomllib before Python 3.11)
+    return found.group(1) if found else "unknown"
 
 
 @router.get("/version")
