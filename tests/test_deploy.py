@@ -13,7 +13,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from openai_frontend.app import create_app
-from openai_frontend.fake_engine import FakeEngineClient
+from tests.fake_engine import FakeEngineClient
 from openai_frontend.settings import parse_settings
 from scripts import serve
 from scripts.servers import REPO_ROOT, TritonServer

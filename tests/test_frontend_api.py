@@ -1,6 +1,6 @@
 """OpenAI frontend against a FakeEngineClient: the SSE output checked chunk by chunk.
 
-Each test scripts the per-step StepOutputs the engine would send (openai_frontend/fake_engine.py)
+Each test scripts the per-step StepOutputs the engine would send (tests/fake_engine.py)
 and drives the real FastAPI app through httpx's ASGI transport (no sockets, no Triton).
 """
 
@@ -17,7 +17,7 @@ import pytest
 from backend.types import FinishReason, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure, InvalidRequest
-from openai_frontend.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
+from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
 from openai_frontend.settings import Settings
 
 pytestmark = pytest.mark.asyncio

@@ -13,7 +13,7 @@ import pytest
 
 from backend.model_files import load_tokenizer
 from backend.types import PromptLogprobs, SamplingParams
-from openai_frontend.fake_engine import CHATML_TEMPLATE, FAKE_MODEL, FakeEngineClient, default_script
+from tests.fake_engine import CHATML_TEMPLATE, FAKE_MODEL, FakeEngineClient, default_script
 from tests.test_frontend_api import by_choice, make_client, stream
 
 pytestmark = pytest.mark.asyncio

@@ -11,7 +11,7 @@ import pytest
 
 from backend.types import StructuredOutputs, schema_text
 from openai_frontend.errors import InvalidRequest
-from openai_frontend.fake_engine import FakeEngineClient, scripted_steps
+from tests.fake_engine import FakeEngineClient, scripted_steps
 from openai_frontend.tool_calls import ToolCallStream, ToolPlan, parse_tagged_calls
 from tests.test_frontend_api import MODEL, by_choice, make_client, stream
 
@@ -190,7 +190,7 @@ async def test_follow_up_turns_render_calls_and_results():
 
 
 async def test_a_template_that_reads_tools_gets_them():
-    from openai_frontend.fake_engine import FAKE_MODEL
+    from tests.fake_engine import FAKE_MODEL
 
     template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
     model = type(FAKE_MODEL)(FAKE_MODEL.name, chat_template=template)

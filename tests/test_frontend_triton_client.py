@@ -28,7 +28,7 @@ from openai_frontend.errors import (
     ModelNotFound,
     from_engine_message,
 )
-from openai_frontend.fake_engine import CHATML_TEMPLATE, scripted_steps
+from tests.fake_engine import CHATML_TEMPLATE, scripted_steps
 from openai_frontend.settings import Settings
 from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build_request, decode_response
 

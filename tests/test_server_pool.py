@@ -13,7 +13,7 @@ from backend.types import SamplingParams, StepOutput
 from openai_frontend import server_pool
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
-from openai_frontend.fake_engine import scripted_steps
+from tests.fake_engine import scripted_steps
 from openai_frontend.server_pool import ServerPool, affinity_key, rendezvous_order
 
 pytestmark = pytest.mark.asyncio

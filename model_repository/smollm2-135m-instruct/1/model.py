@@ -26,8 +26,8 @@ sys.path.insert(0, str(_REPO_ROOT))
 # torch's OpenMP workers (libgomp) spin up to GOMP_SPINCOUNT times waiting for the next parallel region;
 # the default, 300,000 `pause`s, is milliseconds of a core each time the engine thread runs Python between
 # regions or steps, taken from tritonserver, the frontend and this stub's sender, which share the cores.
-# 10,000 stops spinning within a millisecond: on 2 cores served tokens came 1.5-3x sooner in 3 of 5
-# alternating runs and no slower beyond noise in the others (docs/benchmarking.md). libgomp reads it when it loads, with torch below; a setting of the user's wins.
+# 10,000 stops spinning within a millisecond (measurements: docs/benchmarking.md). libgomp reads it when it
+# loads, with torch below; a setting of the user's wins.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 

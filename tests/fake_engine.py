@@ -1,4 +1,4 @@
-"""FakeEngineClient: an EngineClient that replays scripted StepOutputs (tests, demos, no Triton).
+"""FakeEngineClient: an EngineClient that replays scripted StepOutputs (the frontend tests, no Triton).
 
 A script maps (prompt, params) to the items of one engine request, in order: a StepOutput is
 yielded (with the caller's request id), an Exception is raised, a float is an `asyncio.sleep`.
