@@ -5,7 +5,7 @@ the sequence's own incremental detokenizer and stop-string matcher), their logpr
 cumulative counts, all copied into a frozen StepOutput. Later layers carry these values unchanged.
 
 Each sequence that got a token gets its own message, so siblings that finish in the same step each
-keep their own last tokens (invariant 4), and finish_reason is decided here exactly once.
+keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason is decided here exactly once.
 """
 
 from __future__ import annotations

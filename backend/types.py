@@ -3,7 +3,7 @@
 Every message that crosses a thread or process boundary is one of these frozen, slotted
 dataclasses. They hold only immutable values (tuples, str, int, float), so a message built in the
 engine thread can be read by the sender thread while the engine goes on changing its own state:
-that is invariant 1 of docs/architecture.md, and why nothing here is a list or a dict.
+that is invariant 1 of docs/contract.md, and why nothing here is a list or a dict.
 
 This module imports no torch: the Triton adapter, the OpenAI frontend and the tests use it too.
 """

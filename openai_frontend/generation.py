@@ -2,7 +2,7 @@
 one checked stream of (prompt_index, StepOutput).
 
 Every StepOutput is checked against the state of its sequence, keyed by (prompt_index, seq_index),
-before anyone renders it (invariants 2 and 3 of ARCHITECTURE.md):
+before anyone renders it (invariants 2 and 3 of docs/contract.md):
 - `step` is the next one expected (from 0, no gap, no repeat);
 - nothing arrives for a sequence after its finish, and every sequence finishes exactly once;
 - `num_output_tokens` equals the tokens received so far (so usage == tokens streamed);

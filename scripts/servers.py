@@ -2,7 +2,8 @@
 
 Used by `make serve` (scripts/serve.py), by the end-to-end tests and by the benchmarks, so all
 three run the servers the same way. The tritonserver binary and the Python backend come from the
-`nvidia-pytriton` wheel (we never import pytriton): see ../shared/notes/triton-on-cpu.md.
+`nvidia-pytriton` wheel (we never import pytriton), or from NVIDIA's Triton container when it is there
+(/opt/tritonserver); README.md ("The Triton model") says how it runs without the container.
 """
 
 from __future__ import annotations

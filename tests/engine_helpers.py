@@ -71,7 +71,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> list[Engine
 
 
 def check_stream_invariants(outputs: list[EngineOutput], n_by_request: dict[str, int]) -> dict[tuple[str, int], list[StepOutput]]:
-    """ARCHITECTURE.md invariants 2-5 over everything an engine emitted; returns messages per sequence."""
+    """Invariants 2-5 of docs/contract.md over everything an engine emitted; returns messages per sequence."""
     per_seq: dict[tuple[str, int], list[StepOutput]] = {}
     ended: set[str] = set()
     for out in outputs:

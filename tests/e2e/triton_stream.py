@@ -144,7 +144,7 @@ def wait_until_aborted_and_freed(metrics_url: str, aborted_before: float, timeou
 
 
 def check_invariants(result: StreamResult, n: int, max_tokens: int | None = None, logprobs: int | None = None) -> None:
-    """The invariants of ARCHITECTURE.md, per sequence."""
+    """The invariants of docs/contract.md, per sequence."""
     assert result.error is None, result.error
     seqs = result.by_seq()
     assert sorted(seqs) == list(range(n))
