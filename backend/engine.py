@@ -86,7 +86,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype,
                                   compile_decode=config.compile)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
         self._max_token_chars = self.tokenizer.max_token_chars
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, model_cfg.vocab_size,
                                                            self.runtime.eos_token_ids)
@@ -196,9 +196,12 @@ class LLMEngine:
             result = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             return self._pending_outputs() + self._fail_batch(batch, exc)
-        outputs = self._pending_outputs() + self.output_processor.process(result)
+        self.scheduler.update_from_output([(seq, tok.token_id) for seq, tok in result.sampled])
+        messages, finished = self.output_processor.process(result)
+        for seq in finished:
+            self.scheduler.finish(seq)
         self._generation_tokens += len(result.sampled)
-        return outputs
+        return self._pending_outputs() + messages
 
     def _admit_compiled(self) -> None:
         """Schedules the constrained requests whose grammar is ready; with nothing else to run, waits

@@ -5,7 +5,9 @@ the sequence's own incremental detokenizer and stop-string matcher), their logpr
 cumulative counts, all copied into a frozen StepOutput. Later layers carry these values unchanged.
 
 Each sequence that got a token gets its own message, so siblings that finish in the same step each
-keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason is decided here exactly once.
+keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason is decided here exactly
+once. It changes no scheduling state: the scheduler has appended the step's tokens before, and frees
+the sequences this returns as finished after (backend/engine.py's step).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass, field
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import PromptScores, RunnerOutput
 from backend.sampler import SampledToken
-from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.stop_strings import StopStringMatcher
 from backend.tokenizer import Tokenizer
@@ -35,9 +36,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
@@ -50,15 +50,18 @@ class OutputProcessor:
             )
         self.requests[request_id] = RequestState(request_id, list(sequences))
 
-    def process(self, output: RunnerOutput) -> list[StepOutput]:
-        """One message per (sequence, new token), in the order the tokens were sampled. Prompt scores
-        are kept on their sequence until it samples: its first message carries them all."""
+    def process(self, output: RunnerOutput) -> tuple[list[StepOutput], list[Sequence]]:
+        """One message per (sequence, new token), in the order the tokens were sampled, and the
+        sequences that finished (for the scheduler to free). The tokens are already appended to their
+        sequences. Prompt scores are kept on their sequence until it samples: its first message
+        carries them all."""
         for chunk in output.prompt_scores:
             self._keep_prompt_scores(chunk)
-        return [self._on_token(seq, tok) for seq, tok in output.sampled]
+        messages = [self._on_token(seq, tok) for seq, tok in output.sampled]
+        return messages, [seq for (seq, _), m in zip(output.sampled, messages) if m.finished]
 
     def abort_sequences(self, sequences: list[Sequence]) -> list[StepOutput]:
-        """A last, token-less message for each sequence the abort ended."""
+        """A last, token-less message for each sequence an abort ended (the scheduler freed them)."""
         return [self._finish_message(seq, (), "", None, FinishReason.ABORT, None) for seq in sequences]
 
     def drop_request(self, request_id: str) -> None:
@@ -95,7 +98,7 @@ class OutputProcessor:
         return leader.prompt_logprobs
 
     def _on_token(self, seq: Sequence, tok: SampledToken) -> StepOutput:
-        seq.append_token(tok.token_id)
+        assert seq.output_token_ids and seq.output_token_ids[-1] == tok.token_id, "the scheduler appends first"
         params = seq.params
         num_output = seq.num_output_tokens
         token_text = seq.detokenizer.add_token(tok.token_id)
@@ -155,7 +158,6 @@ class OutputProcessor:
                         finish: FinishReason, stop_reason: str | int | None,
                         prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
         seq.finish_reason = finish
-        self.scheduler.finish(seq)
         state = self.requests[seq.request_id]
         state.num_unfinished -= 1
         request_finished = state.num_unfinished == 0

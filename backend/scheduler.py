@@ -16,7 +16,8 @@ Per step: RUNNING sequences first, in arrival order; if the pool has no room for
 latest-arrived running sequence is preempted (possibly that one itself) until it fits. Then, if
 nothing was preempted, WAITING sequences in FCFS order while budget, seats (max_num_seqs) and
 blocks allow, stopping at the first that does not fit. num_computed_tokens is advanced when the
-step is scheduled; the engine then runs the model, appends the sampled tokens and calls `finish`.
+step is scheduled; after the model ran, `update_from_output` appends the sampled tokens, and the
+engine calls `finish` for the sequences the output processor found finished.
 
 n > 1: the request's sequence 0 (the leader) prefills alone; its siblings wait as FORK_PENDING.
 When the leader samples for the first time they are forked from it (sharing its blocks, ref-counted)
@@ -188,6 +189,11 @@ class Scheduler:
             preempted=tuple(preempted),
             total_tokens=self.config.max_num_batched_tokens - budget,
         )
+
+    def update_from_output(self, sampled: list[tuple[Sequence, int]]) -> None:
+        """After the model ran: each sampling sequence gets its new token."""
+        for seq, token_id in sampled:
+            seq.append_token(token_id)
 
     def finish(self, seq: Sequence, cache: bool = True) -> list[Sequence]:
         """End seq (and, for a leader that has not forked yet, its pending siblings); free their

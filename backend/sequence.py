@@ -4,9 +4,10 @@ A request with n > 1 is n sequences. Sequence 0 is the fork leader: it alone pre
 and when it samples for the first time the scheduler forks the others (FORK_PENDING until then)
 so they share the prompt's KV blocks and each samples its first token from the leader's logits.
 
-The scheduler reads and advances `num_computed_tokens` and `status`; the engine appends tokens and
-owns the opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`,
-`finish_reason`, `grammar`, `prompt_scores`, `prompt_logprobs`), which the scheduler never touches. No torch here.
+The scheduler reads and advances `num_computed_tokens` and `status`, appends the sampled tokens and
+frees finished sequences; the engine owns the opaque per-sequence slots (`generator`, `detokenizer`,
+`stop_matcher`, `next_step`, `finish_reason`, `grammar`, `prompt_scores`, `prompt_logprobs`), which the
+scheduler never touches. No torch here.
 """
 
 from __future__ import annotations
