@@ -111,7 +111,7 @@ class EngineWatchdog:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=5)  # (a probe stuck in gRPC must not hold a shutdown)
             self._task = None
 
     # -- internals ---------------------------------------------------------------------------------

@@ -167,8 +167,11 @@ class TritonEngineClient:
     async def close(self) -> None:
         await self.watchdog.close()
         if self._client is not None:
-            await self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            try:
+                await asyncio.wait_for(client.close(), 5)  # bounded: closing never holds a shutdown
+            except asyncio.TimeoutError:
+                pass
 
     async def ready(self) -> bool:
         try:
