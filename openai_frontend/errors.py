@@ -18,6 +18,7 @@ class FrontendError(Exception):
     status_code = 500
     error_type = "server_error"
     default_code: str | None = None
+    default_retry_after_s: int | None = None
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
                  retry_after_s: int | None = None) -> None:
@@ -25,7 +26,7 @@ class FrontendError(Exception):
         self.message = message
         self.param = param
         self.code = code or self.default_code
-        self.retry_after_s = retry_after_s  # sent as the Retry-After header
+        self.retry_after_s = retry_after_s or self.default_retry_after_s  # sent as the Retry-After header
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -77,10 +78,7 @@ class EngineUnavailable(FrontendError):
     status_code = 503
     error_type = "service_unavailable_error"
     default_code = "engine_unavailable"
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
-                 retry_after_s: int | None = 5) -> None:
-        super().__init__(message, param, code, retry_after_s=retry_after_s)
+    default_retry_after_s = 5
 
 
 class EngineOverloaded(FrontendError):
@@ -89,10 +87,7 @@ class EngineOverloaded(FrontendError):
     status_code = 503
     error_type = "service_unavailable_error"
     default_code = "overloaded"
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
-                 retry_after_s: int | None = 1) -> None:
-        super().__init__(message, param, code, retry_after_s=retry_after_s)
+    default_retry_after_s = 1
 
 
 class EngineFailure(FrontendError):

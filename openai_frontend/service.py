@@ -103,18 +103,15 @@ class Service:
                                   prompt_logprobs=scored if scored >= 0 else None)
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
+        # The frontend's tokenizer is needed to show token-id prompts as text, and to send text prompts as ids.
+        echo_ids = bool(req.echo) and any(not isinstance(p, str) for p in prompts)
+        tokenizer = await self.tokenizers.get(model) if echo_ids or req.return_token_ids else None
         echo_texts = None
-        if req.echo or req.return_token_ids:
-            token_prompts = [p for p in prompts if not isinstance(p, str)]
-            if req.return_token_ids or token_prompts:
-                tokenizer = await self.tokenizers.get(model)
-                if req.echo:
-                    echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                                       for p in prompts)
-                if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
-                    prompts = tuple(tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts)
-            else:
-                echo_texts = tuple(str(p) for p in prompts)
+        if req.echo:
+            echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                               for p in prompts)
+        if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
+            prompts = tuple(tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts)
         return _Plan(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompts, params, echo_texts,
                      include, continuous, 0, arrival, constraint, echo_logprobs=echo_logprobs,
                      echo_only=bool(req.echo) and max_tokens == 0, show_prompt_logprobs=req.prompt_logprobs,

@@ -13,13 +13,12 @@ is fetched from a model hub. Extra arguments after `--` go to lm-eval unchanged.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from scripts.perf_tools import DEFAULT_MODEL, REPO_ROOT, TOOLS, log
+from scripts.perf_tools import DEFAULT_MODEL, REPO_ROOT, TOOLS, ensure_pinned_venv, log
 
 LM_EVAL_VENV = TOOLS / "lm-eval"
 
@@ -104,24 +103,9 @@ def lm_eval_binary() -> Path:
 
 def ensure_venv() -> None:
     """Create `.tools/lm-eval` and install the pinned lm-eval, again only when the pins change."""
-    digest = hashlib.sha256(LM_EVAL_REQUIREMENTS.encode()).hexdigest()[:16]
-    stamp = LM_EVAL_VENV / f".installed-{digest}"
-    if stamp.exists() and lm_eval_binary().exists():
-        return
-    python = LM_EVAL_VENV / "bin" / "python"
-    if not python.exists():
-        base = getattr(sys, "_base_executable", None) or sys.executable
-        log(f"creating {LM_EVAL_VENV.relative_to(REPO_ROOT)} with {base}")
-        subprocess.run([base, "-m", "venv", str(LM_EVAL_VENV)], check=True)
-    requirements = LM_EVAL_VENV / "requirements.txt"
-    requirements.write_text(LM_EVAL_REQUIREMENTS)
-    log("installing lm-eval 0.4.13 into .tools/lm-eval (about 800 MB, once)")
-    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(requirements)],
-                   check=True, env=env)
-    for old in LM_EVAL_VENV.glob(".installed-*"):
-        old.unlink()
-    stamp.touch()
+    ensure_pinned_venv(LM_EVAL_VENV, LM_EVAL_REQUIREMENTS, LM_EVAL_VENV / "requirements.txt", lm_eval_binary(),
+                       "lm-eval 0.4.13 into .tools/lm-eval (about 800 MB, once)",
+                       pip_env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
 
 
 def command(base_url: str, model: str, tasks: list[str], output_path: Path, *, include_path: Path | None = None,

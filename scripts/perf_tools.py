@@ -156,23 +156,31 @@ def _tools_site_packages() -> Path:
 
 def ensure_tools_venv() -> None:
     """Create `.tools/venv` and install the pinned tools, again only when the pins change."""
-    digest = hashlib.sha256(TOOLS_REQUIREMENTS.encode()).hexdigest()[:16]
-    stamp = TOOLS_VENV / f".installed-{digest}"
-    if stamp.exists() and perf_analyzer_binary().exists():
+    ensure_pinned_venv(TOOLS_VENV, TOOLS_REQUIREMENTS, TOOLS / "requirements.txt", perf_analyzer_binary(),
+                       "tritonclient 2.50.0 (perf_analyzer), genai-perf 0.0.16, nvidia-cuda-runtime-cu12 "
+                       "into .tools/venv (about 1 GB, once)")
+
+
+def ensure_pinned_venv(venv: Path, requirements: str, requirements_file: Path, binary: Path, what: str,
+                       pip_env: dict[str, str] | None = None) -> None:
+    """A venv of the base interpreter holding exactly `requirements`; (re)installed only when the pins
+    change (a stamp named by their hash) or `binary` is missing."""
+    digest = hashlib.sha256(requirements.encode()).hexdigest()[:16]
+    stamp = venv / f".installed-{digest}"
+    if stamp.exists() and binary.exists():
         return
-    TOOLS.mkdir(exist_ok=True)
-    if not _tools_python().exists():
-        # The base interpreter, not the project's venv: the tools' venv must see none of its packages.
+    venv.parent.mkdir(exist_ok=True)
+    python = venv / "bin" / "python"
+    if not python.exists():
+        # The base interpreter, not the project's venv: a tools' venv must see none of its packages.
         base = getattr(sys, "_base_executable", None) or sys.executable
-        log(f"creating {TOOLS_VENV.relative_to(REPO_ROOT)} with {base}")
-        subprocess.run([base, "-m", "venv", str(TOOLS_VENV)], check=True)
-    requirements = TOOLS / "requirements.txt"
-    requirements.write_text(TOOLS_REQUIREMENTS)
-    log("installing tritonclient 2.50.0 (perf_analyzer), genai-perf 0.0.16, nvidia-cuda-runtime-cu12 "
-        "into .tools/venv (about 1 GB, once)")
-    subprocess.run([str(_tools_python()), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "-r", str(requirements)], check=True)
-    for old in TOOLS_VENV.glob(".installed-*"):
+        log(f"creating {venv.relative_to(REPO_ROOT)} with {base}")
+        subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    requirements_file.write_text(requirements)
+    log(f"installing {what}")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "-r", str(requirements_file)], check=True, env=pip_env)
+    for old in venv.glob(".installed-*"):
         old.unlink()
     stamp.touch()
 

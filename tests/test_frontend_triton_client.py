@@ -265,8 +265,7 @@ async def test_generate_error_responses(triton) -> None:
 
 async def test_closing_the_stream_cancels_the_triton_request(triton) -> None:
     server, url = triton
-    steps = scripted_steps([[f"t{i}" for i in range(100)]])
-    server.responder = lambda request: [x for s in steps for x in (ok(s), 0.02)]
+    server.responder = _slow_steps(100)
     client = TritonEngineClient(url)
     try:
         stream = client.generate("llm", "x", SamplingParams(max_tokens=100), "r")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +26,7 @@ import httpx
 import pytest
 
 from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+from tests.e2e.helpers import copy_model_repository, read_sse
 from tests.e2e.triton_stream import metric_value
 
 pytestmark = pytest.mark.slow
@@ -38,14 +37,7 @@ def own_servers(tmp_path_factory):
     """A model repository of its own with a tight queue: 4 seats, 2 waiting sequences."""
     logs = REPO_ROOT / "artifacts" / "test-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    repository = tmp_path_factory.mktemp("repository")
-    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, repository / DEFAULT_MODEL)
-    config = repository / DEFAULT_MODEL / "config.pbtxt"
-    text = config.read_text()
-    for key, value in (("max_num_seqs", "4"), ("max_waiting_seqs", "2")):
-        text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-        assert count == 1, key
-    config.write_text(text)
+    repository = copy_model_repository(tmp_path_factory.mktemp("repository"), max_num_seqs="4", max_waiting_seqs="2")
     triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           model_repository=repository)
     triton.start(log_path=logs / "tritonserver-resilience.log")
@@ -56,19 +48,6 @@ def own_servers(tmp_path_factory):
     finally:
         frontend.stop()
         triton.stop()
-
-
-async def read_stream(http: httpx.AsyncClient, started: asyncio.Event, body: dict) -> tuple[list, float]:
-    """The SSE events of one stream, and when it ended."""
-    events = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if len(events) == 3:
-                    started.set()
-    return events, time.monotonic()
 
 
 async def test_overload_past_the_queue_bound_is_refused_at_once(own_servers):
@@ -98,7 +77,7 @@ async def test_sigterm_drains_the_frontend(own_servers):
     try:
         async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
             starts = [asyncio.Event() for _ in range(3)]
-            streams = [asyncio.create_task(read_stream(http, s, b)) for s, b in zip(starts, (short, short, long))]
+            streams = [asyncio.create_task(read_sse(http, b, s, started_after=3)) for s, b in zip(starts, (short, short, long))]
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 60)
             frontend.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
@@ -123,7 +102,7 @@ async def test_killed_engine_process_ends_streams_and_comes_back(own_servers):
             "stream": True}
     async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
         starts = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.create_task(read_stream(http, s, body)) for s in starts]
+        streams = [asyncio.create_task(read_sse(http, body, s, started_after=3)) for s in starts]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 60)
 
         [stub] = stub_processes(triton.proc.pid)

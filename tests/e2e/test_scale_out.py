@@ -7,34 +7,19 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import httpx
 import pytest
 
 from openai_frontend.server_pool import affinity_key, rendezvous_order
 from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+from tests.e2e.helpers import copy_model_repository, read_sse
 
 pytestmark = pytest.mark.slow
 LOGS = REPO_ROOT / "artifacts" / "test-logs"
-
-
-def repository(tmp: Path, **settings: str) -> Path:
-    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, tmp / DEFAULT_MODEL)
-    config = tmp / DEFAULT_MODEL / "config.pbtxt"
-    text = config.read_text()
-    for key, value in settings.items():
-        if key == "instance_group":
-            text, count = re.subn(r"instance_group \[.*\]", f"instance_group [ {value} ]", text)
-        else:
-            text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-        assert count == 1, key
-    config.write_text(text)
-    return tmp
 
 
 def metrics(url: str, name: str) -> dict[str, float]:
@@ -49,20 +34,9 @@ def metrics(url: str, name: str) -> dict[str, float]:
     return out
 
 
-async def read_stream(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> list[str]:
-    events = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if started is not None and len(events) == 2:
-                    started.set()
-    return events
-
-
 async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_blocks(tmp_path):
     triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"))
+                          model_repository=copy_model_repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"))
     triton.start(log_path=LOGS / "tritonserver-instances.log")
     frontend = Frontend(triton.grpc_url, port=free_port())
     try:
@@ -77,8 +51,8 @@ async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_b
             assert len(generated) == 2 and all(v > 0 for v in generated.values()), generated  # both engines
 
             started = asyncio.Event()
-            long = asyncio.create_task(read_stream(http, {**body, "prompt": "Once", "max_tokens": 2000, "stream": True},
-                                                   started))
+            long = asyncio.create_task(read_sse(http, {**body, "prompt": "Once", "max_tokens": 2000, "stream": True},
+                                                started))
             await asyncio.wait_for(started.wait(), 60)
             deadline = time.monotonic() + 10
             while not (busy := [i for i, v in metrics(triton.metrics_url, "llm_kv_blocks_used").items() if v > 0]):
@@ -104,7 +78,7 @@ def prompts_preferring(url: str, urls: list[str], count: int, prefix: str = "") 
 
 
 async def test_one_frontend_over_two_tritonservers(tmp_path):
-    repo = repository(tmp_path, num_threads="1")
+    repo = copy_model_repository(tmp_path, num_threads="1")
     tritons = [TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             model_repository=repo) for _ in range(2)]
     for i, t in enumerate(tritons):
@@ -134,11 +108,11 @@ async def test_one_frontend_over_two_tritonservers(tmp_path):
             victim = tritons[0]
             started = asyncio.Event()
             prompt = prompts_preferring(urls[0], urls, 1)[0]
-            doomed = asyncio.create_task(read_stream(http, {**body, "prompt": prompt, "max_tokens": 2000,
+            doomed = asyncio.create_task(read_sse(http, {**body, "prompt": prompt, "max_tokens": 2000,
                                                             "ignore_eos": True, "stream": True}, started))
             await asyncio.wait_for(started.wait(), 60)
             os.killpg(victim.proc.pid, signal.SIGKILL)
-            events = await asyncio.wait_for(doomed, 30)
+            events, _ = await asyncio.wait_for(doomed, 30)
             assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
             for p in prompts_preferring(urls[0], urls, 4) + prompts_preferring(urls[1], urls, 2):
                 r = await http.post("/v1/completions", json={**body, "prompt": p})

@@ -1,0 +1,44 @@
+"""What the e2e tests that run servers of their own share: a model repository with other settings,
+and an SSE stream read to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT
+
+
+def copy_model_repository(folder: Path, **settings: str) -> Path:
+    """The model repository copied into `folder`, with config.pbtxt parameters (or `instance_group`) replaced."""
+    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, folder / DEFAULT_MODEL)
+    config = folder / DEFAULT_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key, value in settings.items():
+        if key == "instance_group":
+            text, count = re.subn(r"instance_group \[.*\]", f"instance_group [ {value} ]", text)
+        else:
+            text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert count == 1, key
+    config.write_text(text)
+    return folder
+
+
+async def read_sse(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
+                   started_after: int = 2) -> tuple[list[str], float]:
+    """The `data:` payloads of one streamed completion, and when it ended; `started` is set once
+    `started_after` of them arrived."""
+    events: list[str] = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None and len(events) == started_after:
+                    started.set()
+    return events, time.monotonic()
