@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.llama import LlamaConfig
+from backend.models import LlamaConfig, ModelConfig, config_from_hf
 from backend.model_files import cache_dir, gguf_cache_key, resolve_source, smollm2_gguf_path  # noqa: F401 (re-exported)
 from backend.tokenizer import Tokenizer, can_build_gguf_bpe
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Checkpoint:
-    config: LlamaConfig
+    config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # HF Llama names: model.layers.0.self_attn.q_proj.weight, ...
     tokenizer: Tokenizer
 
@@ -61,7 +61,7 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> Ch
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = LlamaConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors")

@@ -12,14 +12,14 @@ table width), so two graphs serve every decode step: batch 1 (matrix-vector prod
 `warm_up` compiles both when the engine starts, so no user request waits for the compiler.
 
 The matrix products stay opaque calls: batch 1 the project's kernel (kernels/cpu_linear.cpp, or the split
-bmm where it is not built), batch >= 2 the oneDNN linear (backend.llama.packed_linear: inductor cannot
+bmm where it is not built), batch >= 2 the oneDNN linear (backend.layers.packed_linear: inductor cannot
 lower it; the kernel is not used there, as it serves only up to cpu_kernels.MAX_LINEAR_ROWS rows and
 the graph must not branch on the batch size). Inductor would fuse a plain one-row bmm into its own C++
 loop, which reads the weights slower than MKL, hence split_matvec.
 
 Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
 on-disk cache). Hence off by default (`EngineConfig.compile`). On CPU it no longer pays: eager decode
-steps run each layer as one C++ op (backend.llama `Block.fused_forward`), which a traced graph does not take; in
+steps run each layer as one C++ op (backend.layers `run_decoder_layer`), which a traced graph does not take; in
 `make bench-engine` the compiled engine trails eager (batch 1 25.7-40.1 vs 36.7-47.6 tok/s).
 """
 
@@ -31,12 +31,13 @@ import torch
 import torch._dynamo
 
 from backend.attention import AttentionMetadata
-from backend.llama import KVCache, LlamaForCausalLM
+from backend.layers import KVCache
+from backend.models import CausalLM
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata], torch.Tensor]
 
 
-def compile_decode_forward(model: LlamaForCausalLM) -> DecodeForward:
+def compile_decode_forward(model: CausalLM) -> DecodeForward:
     """model.forward compiled for decode steps. Call it under torch.no_grad(), not inference_mode (the
     graph writes the KV cache in place, which inference tensors' version counters forbid)."""
     # rms_norm's eps and the attention scale are Python floats on the modules: constants, not graph

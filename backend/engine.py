@@ -17,8 +17,8 @@ import torch
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
-from backend.llama import LlamaForCausalLM
 from backend.model_runner import ModelRunner, kv_block_bytes
+from backend.models import build_model
 from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
@@ -66,7 +66,7 @@ class LLMEngine:
         checkpoint = checkpoint or load_checkpoint(config.model, dtype=torch.float32)
         self.tokenizer = checkpoint.tokenizer
         model_cfg = checkpoint.config
-        model = LlamaForCausalLM(model_cfg)
+        model = build_model(model_cfg)
         model.load_weights(checkpoint.state_dict)
         model.to(device=device, dtype=dtype).eval()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.attention import AttentionMetadata, allocate_kv_caches
-from backend.llama import LlamaForCausalLM
+from backend.models import CausalLM
 from backend.sampler import SampledToken, Sampler, SamplingRow, TokenScore, make_generator, score_tokens
 from backend.scheduler import ScheduledSequence, SchedulerOutput
 from backend.sequence import Sequence
@@ -43,7 +43,7 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
                  device: torch.device, dtype: torch.dtype, compile_decode: bool = False) -> None:
         cfg = model.config
         self.model = model

@@ -36,7 +36,7 @@ Way = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torc
 
 
 def split_bmm(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """backend.llama.Linear's one-row fallback: W viewed as (S, N/S, K), one bmm, each thread a slice."""
+    """backend.layers.Linear's one-row fallback: W viewed as (S, N/S, K), one bmm, each thread a slice."""
     S, _, K = w.shape
     return torch.bmm(w, x.as_strided((S, K, 1), (0, 1, K)))
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 import transformers
 
-from backend.llama import LlamaConfig
+from backend.models import LlamaConfig
 
 
 def build_hf_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
                    attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
     hf_config._attn_implementation = attn_implementation
-    cls = transformers.Qwen2ForCausalLM if config.qkv_bias else transformers.LlamaForCausalLM
+    cls = getattr(transformers, config.architecture)
     with torch.device("meta"):
         model = cls(hf_config)
     model.load_state_dict(state_dict, strict=False, assign=True)

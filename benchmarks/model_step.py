@@ -1,14 +1,14 @@
-"""Decode-step time of backend.llama on SmolLM2 (forward + logits), batch B, context ~ctx tokens.
+"""Decode-step time of the Llama model (backend/models/llama.py) on SmolLM2 (forward + logits), batch B, context ~ctx tokens.
 usage: PYTHONPATH=. .venv/bin/python benchmarks/model_step.py THREADS B
 A/B against torch: LLM_CPU_KERNELS=0 (kernels/cpu_kernels.py) runs torch's matmuls and attention instead of ours."""
 import os, sys, time, torch
 nt, B = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(nt)
 from backend.checkpoint import load_checkpoint
-from backend.llama import LlamaForCausalLM
+from backend.models import build_model
 from backend.attention import AttentionMetadata, allocate_kv_caches
 t = time.perf_counter(); c = load_checkpoint("smollm2"); t_load = time.perf_counter() - t
-t = time.perf_counter(); m = LlamaForCausalLM(c.config); m.load_weights(c.state_dict); t_build = time.perf_counter() - t
+t = time.perf_counter(); m = build_model(c.config); m.load_weights(c.state_dict); t_build = time.perf_counter() - t
 cfg = c.config; BS = 16; ctx = 128; nb = ctx // BS + 1
 kv = allocate_kv_caches(cfg.num_hidden_layers, B * nb, BS, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
 tables = torch.arange(B * nb, dtype=torch.int32).view(B, nb)

@@ -20,7 +20,7 @@ threaded with torch's intra-op threads:
   `rope_store_kv_ref`, `silu_mul_ref`. With them `llm_cpu::argmax_rows` (the sampler's greedy choice;
   reference torch.argmax).
 - `llm_cpu::decoder_layer` (cpu_decoder_layer.cpp): a whole decoder layer of a decode-only step, the ops
-  above called from C++ in Block.forward's order (its reference: Block.forward itself).
+  above called from C++ in LlamaDecoderLayer.forward's order (its reference: that forward itself).
 
 `linear()`, `paged_decode()`, `paged_prefill()` and `layer_ops()` return the ops, or None where the library
 cannot run: a CPU without AVX2, no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
@@ -120,7 +120,7 @@ def paged_prefill() -> Callable[..., torch.Tensor] | None:
 
 
 def decoder_layer() -> Callable[..., torch.Tensor] | None:
-    """`llm_cpu::decoder_layer` (cpu_decoder_layer.cpp; arguments: backend.llama.Block.fused_forward)."""
+    """`llm_cpu::decoder_layer` (cpu_decoder_layer.cpp; arguments: backend.layers.run_decoder_layer)."""
     return torch.ops.llm_cpu.decoder_layer.default if build() else None
 
 
@@ -165,7 +165,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rope_store_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """qkv (T, (H + 2 KVH) * D) rows [q heads | k heads | v heads]; cos, sin (T, D) (sin signed as in
-    backend.llama.rope_tables); caches (NB, BS, KVH, D); slot_mapping (T,) int64.
+    backend.layers.rope_tables); caches (NB, BS, KVH, D); slot_mapping (T,) int64.
     Rotates q and k, stores k and v at their slots (negative: skipped) -> rotated q (T, H, D)."""
     T, H, KVH, D = qkv.shape[0], num_heads, num_kv_heads, k_cache.shape[-1]
     x = qkv.view(T, H + 2 * KVH, D)  # (T, heads, D)

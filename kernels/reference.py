@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding: x (T, heads, D), cos/sin (T, 1, D) as backend.llama.rope_tables gives them
+    """Rotary embedding: x (T, heads, D), cos/sin (T, 1, D) as backend.layers.rope_tables gives them
     (sin's first half negated) -> x * cos + roll_half(x) * sin, (T, heads, D)."""
     rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): (x2, x1)
     return torch.addcmul(x * cos, rolled, sin)  # (T, heads, D)

@@ -13,7 +13,7 @@ import torch
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.llama import LlamaConfig
+from backend.models import LlamaConfig
 from backend.tokenizer import Tokenizer
 from backend.types import EngineOutput, RequestFailure, StepOutput
 

@@ -17,7 +17,7 @@ from backend.checkpoint import (
     resolve_source,
     smollm2_gguf_path,
 )
-from backend.llama import LlamaConfig
+from backend.models import LlamaConfig, Qwen2Config, config_from_hf
 from backend.tokenizer import Tokenizer
 
 TEXTS = [
@@ -173,10 +173,14 @@ def test_bad_sources_and_unsupported_configs(tmp_path):
                        num_key_value_heads=1, head_dim=4, max_position_embeddings=32, rms_norm_eps=1e-6,
                        rope_theta=1e4, tie_word_embeddings=True).to_hf_dict()
     with pytest.raises(NotImplementedError, match="rope scaling"):
-        LlamaConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+        config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(NotImplementedError, match="model_type"):
-        LlamaConfig.from_hf_dict({**base, "model_type": "mistral"})
+        config_from_hf({**base, "model_type": "mistral"})
+    with pytest.raises(NotImplementedError, match="MistralForCausalLM"):
+        config_from_hf({**base, "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
     v5 = {k: v for k, v in base.items() if k != "rope_theta"}
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}  # transformers >= 5 layout
-    assert LlamaConfig.from_hf_dict(v5).rope_theta == 5e5
-    assert LlamaConfig.from_hf_dict({**base, "model_type": "qwen2"}).qkv_bias
+    assert config_from_hf(v5).rope_theta == 5e5
+    qwen2 = config_from_hf({**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+    assert qwen2.qkv_bias and isinstance(qwen2, Qwen2Config)
+    assert config_from_hf({k: v for k, v in base.items() if k != "architectures"}) == config_from_hf(base)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.llama import Linear, RMSNorm
+from backend.layers import Linear, RMSNorm
 from kernels import cpu_kernels, reference
 
 kernel = cpu_kernels.linear()
@@ -393,7 +393,7 @@ def test_rms_norm_cpu_paths_match_f_rms_norm(rows, path, monkeypatch):
     norm = RMSNorm(576, 1e-5)
     with torch.inference_mode():
         norm.load(torch.randn(576))
-    assert norm._scaled is not None  # CPU fp32
+    assert norm.cpu_fp32
     x = torch.randn(rows, 576) * 3
     with torch.inference_mode():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
@@ -406,7 +406,7 @@ def test_rms_norm_off_cpu_fp32_uses_f_rms_norm():
     with torch.inference_mode():
         norm.load(torch.ones(8))
     norm.to(torch.float64)
-    assert norm._scaled is None
+    assert not norm.cpu_fp32
     x = torch.randn(3, 8, dtype=torch.float64)
     with torch.inference_mode():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-6))
@@ -498,15 +498,15 @@ def test_layer_ops_for_takes_contiguous_cpu_fp32_only():
 @pytest.mark.skipif(cpu_kernels.decoder_layer() is None, reason="the llm_cpu kernels could not be built here")
 @pytest.mark.parametrize("B", [1, 5])
 def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypatch):
-    # llm_cpu::decoder_layer runs Block.forward's C++ ops in the same order: the same bits, hidden
-    # states and cache writes alike.
+    # llm_cpu::decoder_layer runs LlamaDecoderLayer.forward's C++ ops in the same order: the same bits,
+    # hidden states and cache writes alike.
     from backend.attention import AttentionMetadata, allocate_kv_caches
-    from backend.llama import LlamaForCausalLM
+    from backend.models import llama
     from tests.engine_helpers import tiny_checkpoint
 
     ck = tiny_checkpoint()
     cfg = ck.config
-    model = LlamaForCausalLM(cfg)
+    model = llama.LlamaForCausalLM(cfg)
     model.load_weights(ck.state_dict)
     BS, nb = 8, 4
     g = torch.Generator().manual_seed(B)
@@ -526,7 +526,7 @@ def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypa
         fused_caches = [(k.clone(), v.clone()) for k, v in caches]
         fused = model(ids, pos, fused_caches, meta)
         assert len(calls) == cfg.num_hidden_layers  # the fused op did run, once per layer
-        monkeypatch.setattr(LlamaForCausalLM, "_fused_layer", lambda *a: None)
+        monkeypatch.setattr(llama, "cpu_decoder_layer", lambda *a: None)
         plain = model(ids, pos, caches, meta)
     assert torch.equal(fused, plain)
     for (fk, fv), (k, v) in zip(fused_caches, caches):

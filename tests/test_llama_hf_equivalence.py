@@ -1,4 +1,4 @@
-"""backend.llama against Hugging Face transformers' LlamaForCausalLM / Qwen2ForCausalLM (fp32, CPU).
+"""backend/models (Llama, Qwen2) against Hugging Face transformers' LlamaForCausalLM / Qwen2ForCausalLM (fp32, CPU).
 
 Both models get the same config and the same HF-named state dict. Ours runs through a minimal
 paged driver (`PagedDriver`): sequence s owns KV blocks s, s + S, s + 2S, ... (interleaved, so a
@@ -22,7 +22,8 @@ from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.checkpoint import load_checkpoint
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.llama import LlamaConfig, LlamaForCausalLM
+from backend.models import LlamaConfig, Qwen2Config, build_model
+from backend.models.llama import LlamaForCausalLM
 from backend.types import SamplingParams, StepOutput
 from benchmarks.hf_peer import build_hf_model
 
@@ -130,7 +131,7 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int):
 def random_hf_state_dict(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    cls = transformers.Qwen2ForCausalLM if config.qkv_bias else transformers.LlamaForCausalLM
+    cls = getattr(transformers, config.architecture)
     model = cls(hf_config)
     with torch.no_grad():
         for p in model.parameters():  # larger than HF's init, so logits are far from uniform
@@ -147,13 +148,13 @@ TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_laye
     [
         LlamaConfig(**TINY, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False),
         LlamaConfig(**TINY, num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=True),
-        LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, qkv_bias=True),
+        Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
     ],
     ids=["llama-gqa-untied", "llama-mha-tied", "qwen2-mqa-bias"],
 )
 def test_tiny_random_models_match_hf(config):
     state_dict = random_hf_state_dict(config, seed=0)
-    ours = LlamaForCausalLM(config)
+    ours = build_model(config)
     ours.load_weights(state_dict)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (7, 1, 20, 33)]
