@@ -23,6 +23,7 @@ from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
 from backend.structured_output import GrammarState, StructuredOutputCompiler
+from kernels import cpu_kernels
 from backend.types import (
     EngineOutput,
     EngineOverloaded,
@@ -62,6 +63,8 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
+        if device.type == "cpu":
+            cpu_kernels.load()  # before the model packs its weights for them
         dtype = getattr(torch, config.torch_dtype_name)
         checkpoint = checkpoint or load_checkpoint(config.model, dtype=torch.float32)
         self.tokenizer = checkpoint.tokenizer

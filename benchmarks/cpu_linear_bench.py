@@ -45,7 +45,7 @@ def ways(rows: int) -> dict[str, Way]:
     """name -> (prepare the weight once, multiply `rows` rows by it)."""
     S = torch.get_num_threads()
     result: dict[str, Way] = {}
-    kernel = cpu_kernels.linear()
+    kernel = cpu_kernels.linear() if cpu_kernels.load() else None
     if kernel is not None:
         result["kernel"] = (lambda w: (cpu_kernels.pack_linear_weight(w), w.shape[0]), lambda p, x: kernel(x, *p))
     result["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),

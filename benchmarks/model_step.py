@@ -6,7 +6,9 @@ nt, B = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(nt)
 from backend.checkpoint import load_checkpoint
 from backend.models import build_model
+from kernels import cpu_kernels
 from backend.attention import AttentionMetadata, allocate_kv_caches
+cpu_kernels.load()
 t = time.perf_counter(); c = load_checkpoint("smollm2"); t_load = time.perf_counter() - t
 t = time.perf_counter(); m = build_model(c.config); m.load_weights(c.state_dict); t_build = time.perf_counter() - t
 cfg = c.config; BS = 16; ctx = 128; nb = ctx // BS + 1

@@ -22,21 +22,25 @@ threaded with torch's intra-op threads:
 - `llm_cpu::decoder_layer` (cpu_decoder_layer.cpp): a whole decoder layer of a decode-only step, the ops
   above called from C++ in LlamaDecoderLayer.forward's order (its reference: that forward itself).
 
-`linear()`, `paged_decode()`, `paged_prefill()` and `layer_ops()` return the ops, or None where the library
-cannot run: a CPU without AVX2, no C++ compiler, a failed build, or LLM_CPU_KERNELS=0. Callers then use torch.
+`load()` builds and loads the library, explicitly: the engine calls it when it starts, tests and
+benchmarks that build a model themselves call it first. After it, `linear()`, `paged_decode()`,
+`paged_prefill()`, `decoder_layer()` and `layer_ops()` return the ops; they return None before it and
+where the library cannot run (a CPU without AVX2, no C++ compiler, a failed build, LLM_CPU_KERNELS=0).
+Callers then use torch.
 
-Built with torch.utils.cpp_extension at first use into `$LLM_CACHE_DIR/cpu_kernels` (default
-`<repo>/.cache/cpu_kernels`): about 30 s once, then milliseconds per process (rebuilt when a source
+Built with torch.utils.cpp_extension into `$LLM_CACHE_DIR/cpu_kernels` (default
+`<repo>/.cache/cpu_kernels`): tens of seconds once, then milliseconds per process (rebuilt when a source
 changes). `make test` and `make serve` build it up front (`python -m kernels.cpu_kernels`), so neither
 a test nor the Triton model's start waits for the compiler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,15 +64,52 @@ def build_dir() -> Path:
     return Path(os.environ.get("LLM_CACHE_DIR") or SOURCES[0].parents[1] / ".cache") / "cpu_kernels"
 
 
-_built: bool | None = None  # build()'s answer once known: a plain global, which torch.compile's tracing reads as a constant
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """cpu_layer_ops.cpp's ops (signatures: their references below)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    rope_store_kv: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    argmax_rows: Callable[..., torch.Tensor]  # reference: torch.argmax(x, dim=-1)
 
 
-def build() -> bool:
-    """Builds (first call in any process) and loads the library; False, with the reason logged, where it cannot."""
-    global _built
-    if _built is None:
-        _built = _build()
-    return _built
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """The loaded library's ops."""
+
+    linear: CpuLinear
+    paged_decode: Callable[..., torch.Tensor]
+    paged_prefill: Callable[..., torch.Tensor]
+    decoder_layer: Callable[..., torch.Tensor]
+    layer_ops: LayerOps
+
+
+# load()'s result: a plain global, which torch.compile's tracing reads as a constant. Nothing else in
+# this module builds or loads; before load() (or where it failed) every accessor answers None.
+_kernels: CpuKernels | None = None
+_load_attempted = False
+
+
+def load() -> bool:
+    """Builds the library if its sources changed (seconds to a minute; once per machine) and loads it.
+    The one place that does: the engine calls it at start, `python -m kernels.cpu_kernels` ahead of
+    `make test` / `make serve`, the test suite's conftest, benchmarks that build a model themselves.
+    Later calls return the first answer. False, with the reason logged, where it cannot be loaded."""
+    global _kernels, _load_attempted
+    if not _load_attempted:
+        _load_attempted = True
+        if _build():
+            ops = torch.ops.llm_cpu
+            _kernels = CpuKernels(
+                linear=ops.linear.default,
+                paged_decode=ops.paged_decode.default,
+                paged_prefill=ops.paged_prefill.default,
+                decoder_layer=ops.decoder_layer.default,
+                layer_ops=LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default,
+                                   ops.argmax_rows.default),
+            )
+    return _kernels is not None
 
 
 def _build() -> bool:
@@ -78,13 +119,13 @@ def _build() -> bool:
         logger.info("no AVX2 on this CPU: the C++ CPU kernels are not built, torch runs instead")
         return False
     try:
-        _ensure_ninja_on_path()
         from torch.utils.cpp_extension import load as build_extension
 
         build_dir().mkdir(parents=True, exist_ok=True)
-        build_extension(name="llm_cpu_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir()),
-                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False)
+        with _ninja_on_path():
+            build_extension(name="llm_cpu_kernels", sources=[str(s) for s in SOURCES],
+                            build_directory=str(build_dir()), extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch paths, which are correct
         logger.warning("C++ CPU kernels not built (%s: %s); torch runs instead", type(exc).__name__, exc)
         return False
@@ -102,59 +143,41 @@ def _build() -> bool:
 
 
 def linear() -> CpuLinear | None:
-    """`llm_cpu::linear(x, packed_weight, n, bias=None, residual=None)`, or None where not built."""
-    return torch.ops.llm_cpu.linear.default if build() else None
+    """`llm_cpu::linear(x, packed_weight, n, bias=None, residual=None)`, or None where not loaded."""
+    return None if _kernels is None else _kernels.linear
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) -> the (ceil(N / 32), K, 32) panels `linear()` takes (needs the library built)."""
+    """weight (N, K) -> the (ceil(N / 32), K, 32) panels `linear()` takes (needs the library loaded)."""
     return torch.ops.llm_cpu.pack_linear_weight(weight.contiguous())
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:
-    return torch.ops.llm_cpu.paged_decode.default if build() else None
+    return None if _kernels is None else _kernels.paged_decode
 
 
 def paged_prefill() -> Callable[..., torch.Tensor] | None:
-    return torch.ops.llm_cpu.paged_prefill.default if build() else None
+    return None if _kernels is None else _kernels.paged_prefill
 
 
 def decoder_layer() -> Callable[..., torch.Tensor] | None:
     """`llm_cpu::decoder_layer` (cpu_decoder_layer.cpp; arguments: backend.layers.run_decoder_layer)."""
-    return torch.ops.llm_cpu.decoder_layer.default if build() else None
-
-
-@dataclass(frozen=True, slots=True)
-class LayerOps:
-    """cpu_layer_ops.cpp's ops (signatures: their references below)."""
-
-    rms_norm: Callable[..., torch.Tensor]
-    rope_store_kv: Callable[..., torch.Tensor]
-    silu_mul: Callable[..., torch.Tensor]
-    argmax_rows: Callable[..., torch.Tensor]  # reference: torch.argmax(x, dim=-1)
-
-
-_layer_ops: LayerOps | None = None
+    return None if _kernels is None else _kernels.decoder_layer
 
 
 def layer_ops() -> LayerOps | None:
-    global _layer_ops
-    if _layer_ops is None and build():
-        ops = torch.ops.llm_cpu
-        _layer_ops = LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default,
-                              ops.argmax_rows.default)
-    return _layer_ops
+    return None if _kernels is None else _kernels.layer_ops
 
 
 def layer_ops_for(*tensors: torch.Tensor) -> LayerOps | None:
     """layer_ops() where every tensor is a contiguous CPU fp32 one, outside torch.compile's tracing
     (a compiled graph fuses these steps itself); else None (the caller runs torch)."""
-    if torch.compiler.is_compiling():
+    if _kernels is None or torch.compiler.is_compiling():
         return None
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
             return None
-    return layer_ops()
+    return _kernels.layer_ops
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,15 +237,23 @@ def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
 
 
-def _ensure_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; the venv's ninja (requirements.txt) is not on it unless
-    the venv is activated."""
-    if shutil.which("ninja") is None:
-        import ninja
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """cpp_extension runs `ninja` from PATH; the venv's ninja (requirements.txt) is not on it unless the
+    venv is activated. PATH is extended for the build only."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    import ninja
 
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_kernels`: build now (the Makefile does, before tests and serving)
     logging.basicConfig(level=logging.INFO)
-    print("llm_cpu kernels", "ready" if build() else "unavailable: torch runs instead")
+    print("llm_cpu kernels", "ready" if load() else "unavailable: torch runs instead")

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu_kernels.py) and the CPU fast paths of backend.llama.
+"""The C++ CPU kernels (kernels/cpu_kernels.py) and the CPU fast paths of backend.layers.
 
 Every path must give what torch gives: the linear kernel against `linear_ref`, the decode attention
 kernel against kernels.reference.paged_attention_decode_ref, the layer ops (norm, rotary + cache
@@ -10,6 +10,9 @@ fp32 sums in a different order: tolerances are a few ulps of the result's magnit
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +140,23 @@ def test_kernel_rejects_bad_input_with_a_clear_error(case, message):
 
 def test_loader_honours_the_off_switch(monkeypatch):
     monkeypatch.setenv("LLM_CPU_KERNELS", "0")
-    assert cpu_kernels._build() is False  # build() caches _build()'s answer: the switch is read once per process
+    assert cpu_kernels._build() is False  # load() keeps _build()'s answer: the switch is read once per process
+
+
+def test_only_load_builds_or_loads_the_library():
+    # Importing the engine and building a model leave the library alone; load() is the one place.
+    code = (
+        "import torch; from kernels import cpu_kernels as k; from backend.engine import LLMEngine; "
+        "from backend.models import build_model; from tests.engine_helpers import tiny_checkpoint\n"
+        "ck = tiny_checkpoint(); m = build_model(ck.config); m.load_weights(ck.state_dict)\n"
+        "assert k._kernels is None and k.linear() is None and k.layer_ops_for(torch.ones(2)) is None\n"
+        "assert m.layers[0].self_attn.qkv_proj.panels is None\n"
+        "print(k.load(), k.linear() is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["True", "True"] if kernel is not None else ["False", "False"])
 
 
 needs_decode_kernel = pytest.mark.skipif(decode_kernel is None, reason="the llm_cpu kernels could not be built here")
