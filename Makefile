@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -28,7 +28,12 @@ cpu-kernels: venv
 serve: cpu-kernels
 	$(PY) -m scripts.serve
 
-test: cpu-kernels
+# ruff (pinned in requirements.txt, configured in pyproject.toml): lint, and the formatter's check.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint cpu-kernels
 	$(PY) -m pytest
 
 test-fast: cpu-kernels

@@ -64,7 +64,9 @@ class AttentionMetadata:
         if self.block_size is not None and self.block_tables.device.type == "cpu":
             all_valid = bool((self.slot_mapping >= 0).all())
             if nd > 0 and cpu_kernels.paged_decode() is None:  # the C++ kernel reads the block tables itself
-                plan = reference.decode_plan(self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot)
+                plan = reference.decode_plan(
+                    self.block_tables[:nd], self.seq_lens[:nd], self.block_size, self.zero_slot
+                )
         object.__setattr__(self, "decode_plan", plan)
         object.__setattr__(self, "slots_all_valid", all_valid)
 
@@ -122,7 +124,9 @@ def rotate_and_store(
     return q
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
     """k, v (T, KVH, D) of this step's tokens into their slots (meta.slot_mapping; negative: skipped)."""
     store = kernels_for(k.device)[0]
     if meta.slots_all_valid:  # the CPU reference skips its per-layer check
@@ -145,11 +149,13 @@ def paged_attention(
     return attend(q, k_cache, v_cache, meta, scale)
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q (T, H, D) of this step's tokens, whose K/V are already stored -> attention output (T, H, D):
     the decode kernel on the decode rows, the prefill kernel on the rest."""
     _, decode, prefill = kernels_for(q.device)
-    T, nd, B = q.shape[0], meta.num_decode_seqs, meta.num_seqs
+    nd, B = meta.num_decode_seqs, meta.num_seqs
     if meta.decode_plan is not None:  # the CPU reference takes the gather planned once per step
         decode = functools.partial(decode, plan=meta.decode_plan)
     if nd == B:  # decode only (the common step): no split, no copy

@@ -1,9 +1,8 @@
 """The decode-only forward compiled with torch.compile (inductor) for CPU serving.
 
 Why: much of a batch-1 decode step on a CPU is per-op overhead. Its matrix work runs at the memory
-bandwidth bound (~31 ms for SmolLM2's 538 MB of fp32 weights on the project machine); eager mode adds
-~25 small ops per layer at several microseconds each, 20-25 ms per step. Inductor fuses the
-element-wise ops into C++ loops and runs the whole step as one graph.
+bandwidth bound; eager mode with torch's ops adds ~25 small ops per layer at several microseconds
+each. Inductor fuses the element-wise ops into C++ loops and runs the whole step as one graph.
 
 What goes through it: decode-only steps (every scheduled sequence adds one token), the steps that
 streaming users wait on. Steps with a prefill chunk stay eager: they are compute-bound, and the prefill
@@ -17,10 +16,10 @@ lower it; the kernel is not used there, as it serves only up to cpu_kernels.MAX_
 the graph must not branch on the batch size). Inductor would fuse a plain one-row bmm into its own C++
 loop, which reads the weights slower than MKL, hence split_matvec.
 
-Cost: about 1-2 minutes at the first start on a 2-core machine, about 40 s later ones (inductor's
-on-disk cache). Hence off by default (`EngineConfig.compile`). On CPU it no longer pays: eager decode
-steps run each layer as one C++ op (backend.layers `run_decoder_layer`), which a traced graph does not take; in
-`make bench-engine` the compiled engine trails eager (batch 1 25.7-40.1 vs 36.7-47.6 tok/s).
+Cost: minutes of compiling at the first start, less later (inductor's on-disk cache). Off by default
+(`EngineConfig.compile`): where the C++ CPU kernels are built, eager decode steps run each layer as one
+C++ op (backend.layers `run_decoder_layer`), which a traced graph does not take, and the compiled
+engine does not beat eager there (`make bench-engine` prints both; figures in docs/benchmarking.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: from kv_cache_gib
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 32
-    max_waiting_seqs: int | None = 256  # sequences queued beyond the free seats; more are refused ("overloaded"); None: no bound
+    max_waiting_seqs: int | None = (
+        256  # sequences queued beyond the free seats; more are refused ("overloaded"); None: no bound
+    )
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True

@@ -23,7 +23,6 @@ from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
 from backend.structured_output import GrammarState, StructuredOutputCompiler
-from kernels import cpu_kernels
 from backend.types import (
     EngineOutput,
     EngineOverloaded,
@@ -32,6 +31,7 @@ from backend.types import (
     RequestFailure,
     SamplingParams,
 )
+from kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -73,26 +73,46 @@ class LLMEngine:
         model.load_weights(checkpoint.state_dict)
         model.to(device=device, dtype=dtype).eval()
 
-        block_bytes = kv_block_bytes(model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads,
-                                     model_cfg.head_dim, dtype)
+        block_bytes = kv_block_bytes(
+            model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype
+        )
         num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_gib * 2**30) // block_bytes)
         # A sequence alone must fit in the pool, or it would preempt itself forever.
-        max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                            model_cfg.max_position_embeddings, num_blocks * config.block_size)
-        self.runtime = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                                   vocab_size=model_cfg.vocab_size, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        max_model_len = min(
+            config.max_model_len or model_cfg.max_position_embeddings,
+            model_cfg.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
+        self.runtime = RuntimeInfo(
+            num_kv_blocks=num_blocks,
+            max_model_len=max_model_len,
+            vocab_size=model_cfg.vocab_size,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=max_model_len, block_size=config.block_size),
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
+            ),
             self.block_manager,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.runtime.eos_token_ids, device, dtype,
-                                  compile_decode=config.compile)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.runtime.eos_token_ids,
+            device,
+            dtype,
+            compile_decode=config.compile,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
         self._max_token_chars = self.tokenizer.max_token_chars
-        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, model_cfg.vocab_size,
-                                                           self.runtime.eos_token_ids)
+        self.structured_outputs = StructuredOutputCompiler(
+            self.tokenizer, model_cfg.vocab_size, self.runtime.eos_token_ids
+        )
         # Constrained requests whose grammar is still compiling: kept out of the scheduler until it is ready.
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._seq_ids = itertools.count()
@@ -116,7 +136,10 @@ class LLMEngine:
             if len(prompt) >= max_len * self._max_token_chars:  # refused without spending time tokenizing it
                 raise InvalidRequestError(
                     f"the prompt is {len(prompt)} characters, at least {len(prompt) // self._max_token_chars} "
-                    f"tokens; this model's context is {max_len} tokens", "prompt", "context_length_exceeded")
+                    f"tokens; this model's context is {max_len} tokens",
+                    "prompt",
+                    "context_length_exceeded",
+                )
             token_ids = tuple(self.tokenizer.encode(prompt))
         else:
             token_ids = tuple(int(t) for t in prompt)
@@ -127,19 +150,29 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
-                "and at least one must be left to generate", "prompt", "context_length_exceeded")
+                "and at least one must be left to generate",
+                "prompt",
+                "context_length_exceeded",
+            )
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
             # vLLM and OpenAI refuse this too: cutting the answer short at the window would look like
             # a choice of the model's ("length") when the request could never have been met.
             raise InvalidRequestError(
                 f"max_tokens is too large: {params.max_tokens}. This model's context is {max_len} tokens and "
                 f"the prompt is {len(token_ids)} tokens ({params.max_tokens} > {max_len} - {len(token_ids)})",
-                "max_tokens", "context_length_exceeded")
-        for field_name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        for field_name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise InvalidRequestError(f"{field_name} holds token id {bad}, outside the vocabulary "
-                                          f"(size {vocab}: ids 0..{vocab - 1})", field_name)
+                raise InvalidRequestError(
+                    f"{field_name} holds token id {bad}, outside the vocabulary (size {vocab}: ids 0..{vocab - 1})",
+                    field_name,
+                )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
         if params.structured_outputs is not None:
@@ -156,8 +189,10 @@ class LLMEngine:
         # Sequences the free seats take at the next step are not queued.
         if bound is not None and waiting + request.params.n > bound + self.scheduler.num_free_seats:
             self._rejected += 1
-            raise EngineOverloaded(f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); "
-                                   "retry later", code="overloaded")
+            raise EngineOverloaded(
+                f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); retry later",
+                code="overloaded",
+            )
         spec = request.params.structured_outputs
         if spec is None:
             self._schedule_request(request, None)
@@ -166,9 +201,17 @@ class LLMEngine:
 
     def _schedule_request(self, request: GenerateRequest, compiled_grammar) -> None:
         arrival = next(self._arrivals)
-        seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, seq_index=i,
-                         prompt_token_ids=request.prompt_token_ids, params=request.params, arrival=arrival)
-                for i in range(request.params.n)]
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request.request_id,
+                seq_index=i,
+                prompt_token_ids=request.prompt_token_ids,
+                params=request.params,
+                arrival=arrival,
+            )
+            for i in range(request.params.n)
+        ]
         if compiled_grammar is not None:
             for seq in seqs:  # n > 1: each sibling walks the grammar on its own
                 seq.grammar = GrammarState(compiled_grammar)
@@ -197,7 +240,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         try:
             result = self.runner.execute(batch)
-        except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
+        except Exception as exc:
             return self._pending_outputs() + self._fail_batch(batch, exc)
         self.scheduler.update_from_output([(seq, tok.token_id) for seq, tok in result.sampled])
         messages, finished = self.output_processor.process(result)

@@ -67,6 +67,8 @@ def load_tokenizer(source: str) -> Tokenizer:
     reader = GGUFReader(path)
     meta = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
     if not can_build_gguf_bpe(meta):
-        raise ValueError(f"{path}: this GGUF's tokenizer is converted when the engine first loads the model; "
-                         "load it once (start the server), then the tokenizer is read from the cache")
+        raise ValueError(
+            f"{path}: this GGUF's tokenizer is converted when the engine first loads the model; "
+            "load it once (start the server), then the tokenizer is read from the cache"
+        )
     return Tokenizer.from_gguf_metadata(meta)

@@ -18,7 +18,6 @@ from backend.scheduler import ScheduledSequence, SchedulerOutput
 from backend.sequence import Sequence
 from backend.structured_output import TokenBitmask
 
-
 SCORE_ROWS = 64  # prompt positions scored per logits matrix: bounds the (rows, vocab) memory of a long prompt
 
 
@@ -43,8 +42,16 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...],
-                 device: torch.device, dtype: torch.dtype, compile_decode: bool = False) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        compile_decode: bool = False,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -54,8 +61,9 @@ class ModelRunner:
         # (layers) x [(num_blocks + 1, block_size, kv_heads, head_dim) K, same V]. The extra last
         # block is the null block: the block manager never hands it out, so it stays zero and
         # padded context positions can read it instead of being masked.
-        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
-                                            cfg.head_dim, dtype, device)
+        self.kv_caches = allocate_kv_caches(
+            cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
         self.zero_slot = num_blocks * block_size
         self.decode_forward = None  # compiled_decode.DecodeForward when compile_decode
         # inference_mode is the cheaper mode in eager; the compiled graph needs no_grad (see compiled_decode).
@@ -132,8 +140,9 @@ class ModelRunner:
         output.sampled = list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows, allowed)))
         return output
 
-    def _score_prompts(self, entries: tuple[ScheduledSequence, ...], hidden: torch.Tensor,
-                       query_start_loc: list[int]) -> list[PromptScores]:
+    def _score_prompts(
+        self, entries: tuple[ScheduledSequence, ...], hidden: torch.Tensor, query_start_loc: list[int]
+    ) -> list[PromptScores]:
         """For each entry that asked for prompt logprobs: the row of position p scores prompt token p + 1."""
         out = []
         for entry, row0 in zip(entries, query_start_loc):
@@ -141,7 +150,9 @@ class ModelRunner:
             if seq.params.prompt_logprobs is None or seq.num_output_tokens:
                 continue
             start = entry.start_position
-            end = min(start + entry.num_new_tokens, seq.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+            end = min(
+                start + entry.num_new_tokens, seq.num_prompt_tokens - 1
+            )  # positions whose next token is in the prompt
             if end <= start:
                 continue
             targets = torch.tensor(seq.prompt_token_ids[start + 1 : end + 1], device=self.device)

@@ -80,8 +80,9 @@ class OutputProcessor:
         leader = seq.fork_leader or seq
         if leader.prompt_logprobs is None:
             scores = leader.prompt_scores or []
-            assert len(scores) == leader.num_prompt_tokens - 1 and all(s is not None for s in scores), \
+            assert len(scores) == leader.num_prompt_tokens - 1 and all(s is not None for s in scores), (
                 "a sequence sampled before every prompt token was scored"
+            )
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
             texts = [detok.add_token(t) for t in leader.prompt_token_ids]
             texts[-1] += detok.flush()
@@ -121,7 +122,9 @@ class OutputProcessor:
             finish, stop_reason = FinishReason.STOP, tok.token_id
         elif grammar_ended:  # its EOS was accepted: nothing may follow, whatever min_tokens or ignore_eos say
             finish = FinishReason.STOP
-        elif (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+        elif (
+            params.max_tokens is not None and num_output >= params.max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH
 
         if finish is not None:
@@ -154,9 +157,16 @@ class OutputProcessor:
             return self._finish_message(seq, (tok.token_id,), text, logprobs, finish, stop_reason, prompt_logprobs)
         return self._message(seq, (tok.token_id,), text, logprobs, None, None, False, prompt_logprobs)
 
-    def _finish_message(self, seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
-                        finish: FinishReason, stop_reason: str | int | None,
-                        prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
+    def _finish_message(
+        self,
+        seq: Sequence,
+        token_ids: tuple[int, ...],
+        text: str,
+        logprobs: TokenLogprobs | None,
+        finish: FinishReason,
+        stop_reason: str | int | None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> StepOutput:
         seq.finish_reason = finish
         state = self.requests[seq.request_id]
         state.num_unfinished -= 1
@@ -166,9 +176,16 @@ class OutputProcessor:
         return self._message(seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs)
 
     @staticmethod
-    def _message(seq: Sequence, token_ids: tuple[int, ...], text: str, logprobs: TokenLogprobs | None,
-                 finish: FinishReason | None, stop_reason: str | int | None, request_finished: bool,
-                 prompt_logprobs: PromptLogprobs | None = None) -> StepOutput:
+    def _message(
+        seq: Sequence,
+        token_ids: tuple[int, ...],
+        text: str,
+        logprobs: TokenLogprobs | None,
+        finish: FinishReason | None,
+        stop_reason: str | int | None,
+        request_finished: bool,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> StepOutput:
         step = seq.next_step
         seq.next_step += 1
         return StepOutput(

@@ -26,8 +26,8 @@ row picks the same token whatever other rows share the batch; rows without a gen
 batched draw from torch's global RNG. The draw is inverse-CDF sampling with a single float64
 uniform per row, in two levels (a block of 256 tokens, then a token inside it) so that float32
 sums never swallow small probabilities. The per-row cost is one scalar draw; the rest is batched
-tensor work. (vLLM's exponential race draws V random numbers per row: about 1 ms per row for a
-49k vocabulary on CPU, against a few microseconds here.)
+tensor work. (vLLM's exponential race draws V random numbers per row, which on CPU costs far more
+for a large vocabulary.)
 
 A constrained row keeps only what its grammar allows. Where the other processors left it nothing
 (min_tokens banning the EOS that the grammar requires), the grammar wins: that row is sampled from
@@ -104,8 +104,10 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[
         return [TokenScore(lp, rank) for lp, rank in zip(logprobs, ranks)]
     top_values, top_indices = raw.topk(k, dim=-1)  # (R, k), most likely first
     top_values, top_indices = (top_values - log_norm).tolist(), top_indices.tolist()
-    return [TokenScore(lp, rank, tuple(ids), tuple(values))
-            for lp, rank, ids, values in zip(logprobs, ranks, top_indices, top_values)]
+    return [
+        TokenScore(lp, rank, tuple(ids), tuple(values))
+        for lp, rank, ids, values in zip(logprobs, ranks, top_indices, top_values)
+    ]
 
 
 def make_generator(seed: int | None, seq_index: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -128,8 +130,9 @@ def make_generator(seed: int | None, seq_index: int, device: str | torch.device 
 class Sampler:
     """Stateless: everything a step needs comes in the rows."""
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               allowed: TokenBitmask | None = None) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], allowed: TokenBitmask | None = None
+    ) -> list[SampledToken]:
         """allowed: the grammar masks of the constrained rows (None: no row is constrained)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (len(rows), vocab); got {tuple(logits.shape)} for {len(rows)} rows")
@@ -231,7 +234,7 @@ def _per_row(num_rows: int, row_ids: list[int], values: list[float], device: tor
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits (S, V) -> (S,) int64, as torch.argmax(dim=-1); on CPU fp32 the C++ op where built (torch's
-    reduction takes 1.5-2 ms for 12 rows of SmolLM2's 49152 logits, a few % of a decode step)."""
+    reduction is one thread a row)."""
     if (ops := cpu_kernels.layer_ops_for(logits)) is not None:
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -59,9 +59,12 @@ def build_grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
         if kind in ("json", "json_object"):
             # json_object is any JSON object, as in OpenAI's API and vLLM's xgrammar backend.
             schema = spec.json if kind == "json" else '{"type": "object"}'
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
-                                                max_whitespace_cnt=None if spec.disable_any_whitespace
-                                                else MAX_JSON_WHITESPACE, strict_mode=True)
+            return xgr.Grammar.from_json_schema(
+                schema,
+                any_whitespace=not spec.disable_any_whitespace,
+                max_whitespace_cnt=None if spec.disable_any_whitespace else MAX_JSON_WHITESPACE,
+                strict_mode=True,
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
@@ -132,7 +135,9 @@ class StructuredOutputCompiler:
         from transformers import PreTrainedTokenizerFast
 
         backend = self._tokenizer.backend
-        hf = PreTrainedTokenizerFast(tokenizer_object=type(backend).from_str(backend.to_str()))  # a copy: HF may change it
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=type(backend).from_str(backend.to_str())
+        )  # a copy: HF may change it
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
         return xgr.GrammarCompiler(info, max_threads=1)
 

@@ -76,16 +76,29 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
-        _require(len(set_kinds) == 1, "structured_outputs needs exactly one of json, regex, choice, grammar, "
-                 f"json_object (got {', '.join(set_kinds) or 'none'})", "structured_outputs")
+        _require(
+            len(set_kinds) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar, "
+            f"json_object (got {', '.join(set_kinds) or 'none'})",
+            "structured_outputs",
+        )
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, str) and value != ""), f"{name} must be a non-empty string",
-                     f"structured_outputs.{name}")
-        _require(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
-                 "choice must be a non-empty list of strings", "structured_outputs.choice")
-        _require(isinstance(self.json_object, bool) and isinstance(self.disable_any_whitespace, bool),
-                 "json_object and disable_any_whitespace must be booleans", "structured_outputs")
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                f"{name} must be a non-empty string",
+                f"structured_outputs.{name}",
+            )
+        _require(
+            self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+            "choice must be a non-empty list of strings",
+            "structured_outputs.choice",
+        )
+        _require(
+            isinstance(self.json_object, bool) and isinstance(self.disable_any_whitespace, bool),
+            "json_object and disable_any_whitespace must be booleans",
+            "structured_outputs",
+        )
 
     @property
     def kind(self) -> str:
@@ -101,8 +114,11 @@ class StructuredOutputs:
         if "json" in kwargs:
             kwargs["json"] = schema_text(kwargs["json"], "structured_outputs.json")
         if "choice" in kwargs:
-            _require(isinstance(kwargs["choice"], (list, tuple)), "choice must be a list of strings",
-                     "structured_outputs.choice")
+            _require(
+                isinstance(kwargs["choice"], (list, tuple)),
+                "choice must be a list of strings",
+                "structured_outputs.choice",
+            )
             kwargs["choice"] = tuple(kwargs["choice"])
         return cls(**kwargs)
 
@@ -166,12 +182,19 @@ class SamplingParams:
             "min_tokens must not exceed max_tokens",
             "min_tokens",
         )
-        _require(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+        _require(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature must be in [0, 100]",
+            "temperature",
+        )
         _require(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
         _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer", "top_k")
         _require(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
-        _require(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
-                 "seed must be an integer in the signed 64-bit range", "seed")
+        _require(
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+            "seed must be an integer in the signed 64-bit range",
+            "seed",
+        )
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
         _require(
@@ -186,8 +209,11 @@ class SamplingParams:
         )
         _require(
             self.prompt_logprobs is None
-            or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
-                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            ),
             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
             "prompt_logprobs",
         )

@@ -16,11 +16,26 @@ import numpy as np
 from backend.types import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
 
 # Every output of the model config, in order. The logprob tensors travel only when asked for.
-STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "finish_reason", "stop_reason",
-                "num_prompt_tokens", "num_output_tokens")
+STEP_OUTPUTS = (
+    "seq_index",
+    "step",
+    "token_ids",
+    "text_delta",
+    "finish_reason",
+    "stop_reason",
+    "num_prompt_tokens",
+    "num_output_tokens",
+)
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
-PROMPT_LOGPROB_OUTPUTS = ("prompt_token_ids", "prompt_token_texts", "prompt_logprobs", "prompt_ranks",
-                          "prompt_top_token_ids", "prompt_top_logprobs", "prompt_top_token_texts")
+PROMPT_LOGPROB_OUTPUTS = (
+    "prompt_token_ids",
+    "prompt_token_texts",
+    "prompt_logprobs",
+    "prompt_ranks",
+    "prompt_top_token_ids",
+    "prompt_top_logprobs",
+    "prompt_top_token_texts",
+)
 
 
 class WireError(ValueError):
@@ -124,8 +139,13 @@ def _decode_prompt_logprobs(get: Callable[[str], np.ndarray | None]) -> PromptLo
     n = lp.reshape(-1).shape[0]
     if ids.reshape(-1).shape[0] != texts.reshape(-1).shape[0] or ranks.reshape(-1).shape[0] != n:
         raise ValueError("prompt logprob outputs disagree on their lengths")
-    return PromptLogprobs(token_ids=_ints(ids), token_texts=_strs(texts), logprobs=_floats(lp), ranks=_ints(ranks),
-                          **_top(top_ids, top_lps, top_texts, n))
+    return PromptLogprobs(
+        token_ids=_ints(ids),
+        token_texts=_strs(texts),
+        logprobs=_floats(lp),
+        ranks=_ints(ranks),
+        **_top(top_ids, top_lps, top_texts, n),
+    )
 
 
 def _all_or_none(get: Callable[[str], np.ndarray | None], names: Sequence[str]) -> list[np.ndarray] | None:
@@ -141,9 +161,11 @@ def _all_or_none(get: Callable[[str], np.ndarray | None], names: Sequence[str]) 
 def _top(ids: np.ndarray, lps: np.ndarray, texts: np.ndarray, n: int) -> dict[str, Any]:
     k = ids.shape[-1] if ids.ndim == 2 else 0
     ids, lps, texts = (a.reshape(n, k) for a in (ids, lps, texts))
-    return {"top_token_ids": tuple(tuple(int(t) for t in row) for row in ids),
-            "top_logprobs": tuple(tuple(float(x) for x in row) for row in lps),
-            "top_token_texts": tuple(tuple(_text(t) for t in row) for row in texts)}
+    return {
+        "top_token_ids": tuple(tuple(int(t) for t in row) for row in ids),
+        "top_logprobs": tuple(tuple(float(x) for x in row) for row in lps),
+        "top_token_texts": tuple(tuple(_text(t) for t in row) for row in texts),
+    }
 
 
 def _width(rows: tuple[tuple[Any, ...], ...]) -> int:

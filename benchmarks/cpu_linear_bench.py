@@ -4,8 +4,9 @@ The workload is a decode step's weight reading: SmolLM2-135M's per-layer matrice
 o 576x576, gate_up 3072x576, down 576x1536), 30 layers of distinct random weights (425 MB, far beyond
 the caches), each multiplied by M rows in layer order, for M in --rows. Per way and M: the median time
 of a pass, the weight bytes read per second and GFLOP/s. After each round, the machine's read bandwidth
-at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways alternate within each round, so drift
-hits all alike. The crossover where oneDNN overtakes the kernel sets kernels.cpu_kernels.MAX_LINEAR_ROWS.
+at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways
+alternate within each round, so drift hits all alike. The crossover where oneDNN overtakes the kernel
+sets kernels.cpu_kernels.MAX_LINEAR_ROWS.
 
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 64 160 256] [--rounds 2]
 
@@ -27,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bandwidth import measure_read_bandwidth_gb_s  # noqa: E402
-from kernels import cpu_kernels  # noqa: E402
+from benchmarks.bandwidth import measure_read_bandwidth_gb_s
+from kernels import cpu_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one SmolLM2 layer's matrices
 LAYERS = 30
@@ -48,8 +49,10 @@ def ways(rows: int) -> dict[str, Way]:
     kernel = cpu_kernels.linear() if cpu_kernels.load() else None
     if kernel is not None:
         result["kernel"] = (lambda w: (cpu_kernels.pack_linear_weight(w), w.shape[0]), lambda p, x: kernel(x, *p))
-    result["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
-                               lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    result["onednn_packed"] = (
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
+        lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+    )
     result["f_linear"] = (lambda w: w, lambda w, x: F.linear(x, w))
     if rows == 1:
         result["split_bmm"] = (lambda w: w.view(S, w.shape[0] // S, w.shape[1]), split_bmm)
@@ -75,8 +78,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="passes per way per round")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}",
+        flush=True,
+    )
     plain = [[torch.randn(N, K) for N, K in SHAPES] for _ in range(LAYERS)]
     weight_bytes = sum(N * K * 4 for N, K in SHAPES) * LAYERS
     gb_s: dict[str, dict[int, list[float]]] = {}
@@ -84,7 +90,7 @@ def main() -> None:
         for w, (N, K) in zip(plain[0], SHAPES):  # every way computes the same product
             x = torch.randn(3, K)
             for rows in sorted({1, 3}):
-                for name, (prepare, multiply) in ways(rows).items():
+                for prepare, multiply in ways(rows).values():
                     got = multiply(prepare(w), x[:rows]).reshape(rows, N)
                     torch.testing.assert_close(got, x[:rows] @ w.T, rtol=1e-4, atol=1e-3)
         for r in range(args.rounds):
@@ -96,16 +102,23 @@ def main() -> None:
                     multiply(prepared[0][0], xs[SHAPES[0][1]])
                     seconds = time_pass(prepared, multiply, xs, args.repeats)
                     gb_s.setdefault(name, {}).setdefault(rows, []).append(weight_bytes / seconds / 1e9)
-                    line.append(f"{name} {seconds * 1e3:.1f} ms ({weight_bytes / seconds / 1e9:.1f} GB/s, "
-                                f"{weight_bytes / 2 * rows / seconds / 1e9:.0f} GFLOP/s)")
+                    line.append(
+                        f"{name} {seconds * 1e3:.1f} ms ({weight_bytes / seconds / 1e9:.1f} GB/s, "
+                        f"{weight_bytes / 2 * rows / seconds / 1e9:.0f} GFLOP/s)"
+                    )
                     del prepared
                 print("  ".join(line), flush=True)
             reads = measure_read_bandwidth_gb_s()
             for name, value in reads.items():
                 gb_s.setdefault(f"read_256mb_{name}", {}).setdefault(0, []).append(value)
-            print(f"round {r + 1}: read bandwidth over 256 MB, GB/s: "
-                  + ", ".join(f"{name} {value:.1f}" for name, value in reads.items()), flush=True)
-    summary = {name: {m: round(statistics.median(v), 2) for m, v in per_rows.items()} for name, per_rows in gb_s.items()}
+            print(
+                f"round {r + 1}: read bandwidth over 256 MB, GB/s: "
+                + ", ".join(f"{name} {value:.1f}" for name, value in reads.items()),
+                flush=True,
+            )
+    summary = {
+        name: {m: round(statistics.median(v), 2) for m, v in per_rows.items()} for name, per_rows in gb_s.items()
+    }
     print(f"{weight_bytes / 1e6:.0f} MB of weights per pass; median GB/s by rows: {summary}", flush=True)
     print(json.dumps(summary))
 

@@ -29,15 +29,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.checkpoint import load_checkpoint  # noqa: E402
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.types import SamplingParams, StepOutput  # noqa: E402
-from benchmarks.bandwidth import measure_read_bandwidth_gb_s  # noqa: E402
-from benchmarks.hf_peer import build_hf_model  # noqa: E402
+from backend.checkpoint import load_checkpoint
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.types import SamplingParams, StepOutput
+from benchmarks.bandwidth import measure_read_bandwidth_gb_s
+from benchmarks.hf_peer import build_hf_model
 
-WORDS = ("alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
-         "window silver echo forest number winter copper ladder candle harbor").split()
+WORDS = (
+    "alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
+    "window silver echo forest number winter copper ladder candle harbor"
+).split()
 
 
 def make_prompt_ids(tokenizer, rng: random.Random, num_tokens: int) -> list[int]:
@@ -55,7 +57,9 @@ def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
     return total if "lm_head.weight" in state_dict else total + state_dict[embed].numel() * 4
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> tuple[int, float, float]:
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], concurrency: int
+) -> tuple[int, float, float]:
     """Continuous batching at a fixed concurrency. Returns (output tokens, seconds, decode-only seconds)."""
     pending = list(range(len(prompts)))
     active = 0
@@ -90,14 +94,20 @@ def run_hf(model, prompts: list[list[int]], max_tokens: list[int], batch: int) -
     useful = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
-        rows = prompts[start:start + batch]
-        lengths = max_tokens[start:start + batch]
+        rows = prompts[start : start + batch]
+        lengths = max_tokens[start : start + batch]
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max(lengths),
-                           min_new_tokens=max(lengths), do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max(lengths),
+                min_new_tokens=max(lengths),
+                do_sample=False,
+                pad_token_id=0,
+            )
         useful += sum(lengths)
     return useful, time.perf_counter() - t0
 
@@ -110,16 +120,19 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--long-prompt-tokens", type=int, default=4096)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--compile", action="store_true",
-                        help="also run (a) and (b) on an engine with EngineConfig(compile=True)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also run (a) and (b) on an engine with EngineConfig(compile=True)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     rng = random.Random(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
-    engine = LLMEngine(EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=2048,
-                                    enable_prefix_caching=False), checkpoint=checkpoint)
+    engine = LLMEngine(
+        EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=2048, enable_prefix_caching=False),
+        checkpoint=checkpoint,
+    )
     tok = engine.tokenizer
     weight_bytes = decode_weight_bytes(checkpoint.state_dict)
     # (a) batch 1, between two bandwidth measurements (this VM's bandwidth drifts by 10-30% over
@@ -133,11 +146,17 @@ def main() -> None:
     reads = {name: max(before[name], after[name]) for name in before}
     bandwidth = max(reads.values())
     bound = bandwidth * 1e9 / weight_bytes
-    print(f"weights {weight_bytes / 1e6:.0f} MB fp32; read bandwidth GB/s (before, after (a)): "
-          + ", ".join(f"{name} {before[name]:.1f}/{after[name]:.1f}" for name in before)
-          + f"; bound {bound:.1f} tok/s at {bandwidth:.1f} GB/s", flush=True)
-    print(f"(a) engine batch-1 decode: {engine_b1:.1f} tok/s ({engine_b1 / bound:.0%} of the bound; "
-          f"{engine_b1 * weight_bytes / 1e9:.1f} GB/s of weights)", flush=True)
+    print(
+        f"weights {weight_bytes / 1e6:.0f} MB fp32; read bandwidth GB/s (before, after (a)): "
+        + ", ".join(f"{name} {before[name]:.1f}/{after[name]:.1f}" for name in before)
+        + f"; bound {bound:.1f} tok/s at {bandwidth:.1f} GB/s",
+        flush=True,
+    )
+    print(
+        f"(a) engine batch-1 decode: {engine_b1:.1f} tok/s ({engine_b1 / bound:.0%} of the bound; "
+        f"{engine_b1 * weight_bytes / 1e9:.1f} GB/s of weights)",
+        flush=True,
+    )
 
     hf_b1 = hf_mixed = float("nan")
     hf = None
@@ -153,13 +172,19 @@ def main() -> None:
     lengths = [rng.randint(16, 128) for _ in range(args.requests)]
     n, secs, _ = run_engine(engine, prompts, lengths, args.concurrency)
     engine_mixed = n / secs
-    print(f"(b) engine, {args.requests} requests at concurrency {args.concurrency}: {n} tokens in {secs:.1f} s "
-          f"= {engine_mixed:.1f} tok/s", flush=True)
+    print(
+        f"(b) engine, {args.requests} requests at concurrency {args.concurrency}: {n} tokens in {secs:.1f} s "
+        f"= {engine_mixed:.1f} tok/s",
+        flush=True,
+    )
     if hf is not None:
         n, secs = run_hf(hf, prompts, lengths, args.concurrency)
         hf_mixed = n / secs
-        print(f"(b) transformers, static batches of {args.concurrency}: {n} tokens in {secs:.1f} s "
-              f"= {hf_mixed:.1f} tok/s", flush=True)
+        print(
+            f"(b) transformers, static batches of {args.concurrency}: {n} tokens in {secs:.1f} s "
+            f"= {hf_mixed:.1f} tok/s",
+            flush=True,
+        )
     # (c) one long prompt: time to first token
     long_prompt: dict[str, float | None] = {}
     if args.long_prompt_tokens > 0:
@@ -171,14 +196,20 @@ def main() -> None:
             _, hf_secs = run_hf(hf, [long_ids], [1], 1)
             long_prompt["hf_long_prompt_ttft_s"] = round(hf_secs, 2)
             long_prompt["long_prompt_speedup"] = round(hf_secs / secs, 2)
-            print(f"(c) transformers generate(max_new_tokens=1): {hf_secs:.2f} s; engine {hf_secs / secs:.2f}x faster",
-                  flush=True)
+            print(
+                f"(c) transformers generate(max_new_tokens=1): {hf_secs:.2f} s; engine {hf_secs / secs:.2f}x faster",
+                flush=True,
+            )
     compiled: dict[str, float] = {}
     if args.compile:
         del engine
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=2048,
-                                        enable_prefix_caching=False, compile=True), checkpoint=checkpoint)
+        engine = LLMEngine(
+            EngineConfig(
+                max_num_seqs=args.concurrency, max_num_batched_tokens=2048, enable_prefix_caching=False, compile=True
+            ),
+            checkpoint=checkpoint,
+        )
         compiled["compile_start_s"] = round(time.perf_counter() - t0, 1)
         run_engine(engine, [prompt], [8], 1)  # warm-up
         n, _, decode_s = run_engine(engine, [prompt], [args.batch1_tokens], 1)
@@ -186,24 +217,31 @@ def main() -> None:
         compiled["engine_compiled_batch1_fraction_of_bound"] = round((n - 1) / decode_s / bound, 3)
         n, secs, _ = run_engine(engine, prompts, lengths, args.concurrency)
         compiled["engine_compiled_mixed_tok_s"] = round(n / secs, 2)
-        print(f"(a, b) engine with compile=True (start {compiled['compile_start_s']} s): batch-1 "
-              f"{compiled['engine_compiled_batch1_tok_s']:.1f} tok/s "
-              f"({compiled['engine_compiled_batch1_fraction_of_bound']:.0%} of the bound), "
-              f"mixed {compiled['engine_compiled_mixed_tok_s']:.1f} tok/s", flush=True)
-    print(json.dumps({
-        "engine_batch1_tok_s": round(engine_b1, 2),
-        "hf_batch1_tok_s": round(hf_b1, 2),
-        "bandwidth_gb_s": round(bandwidth, 2),
-        **{f"bandwidth_{name}_gb_s": round(gb_s, 2) for name, gb_s in reads.items()},
-        "bandwidth_bound_tok_s": round(bound, 2),
-        "engine_batch1_fraction_of_bound": round(engine_b1 / bound, 3),
-        "engine_mixed_tok_s": round(engine_mixed, 2),
-        "hf_mixed_tok_s": round(hf_mixed, 2),
-        "mixed_ratio": round(engine_mixed / hf_mixed, 2) if hf is not None else None,
-        "batch1_ratio": round(engine_b1 / hf_b1, 2) if hf is not None else None,
-        **long_prompt,
-        **compiled,
-    }))
+        print(
+            f"(a, b) engine with compile=True (start {compiled['compile_start_s']} s): batch-1 "
+            f"{compiled['engine_compiled_batch1_tok_s']:.1f} tok/s "
+            f"({compiled['engine_compiled_batch1_fraction_of_bound']:.0%} of the bound), "
+            f"mixed {compiled['engine_compiled_mixed_tok_s']:.1f} tok/s",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "engine_batch1_tok_s": round(engine_b1, 2),
+                "hf_batch1_tok_s": round(hf_b1, 2),
+                "bandwidth_gb_s": round(bandwidth, 2),
+                **{f"bandwidth_{name}_gb_s": round(gb_s, 2) for name, gb_s in reads.items()},
+                "bandwidth_bound_tok_s": round(bound, 2),
+                "engine_batch1_fraction_of_bound": round(engine_b1 / bound, 3),
+                "engine_mixed_tok_s": round(engine_mixed, 2),
+                "hf_mixed_tok_s": round(hf_mixed, 2),
+                "mixed_ratio": round(engine_mixed / hf_mixed, 2) if hf is not None else None,
+                "batch1_ratio": round(engine_b1 / hf_b1, 2) if hf is not None else None,
+                **long_prompt,
+                **compiled,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

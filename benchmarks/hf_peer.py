@@ -12,8 +12,9 @@ import transformers
 from backend.models import LlamaConfig
 
 
-def build_hf_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-                   attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
+def build_hf_model(
+    config: LlamaConfig, state_dict: dict[str, torch.Tensor], attn_implementation: str = "sdpa"
+) -> transformers.PreTrainedModel:
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
     hf_config._attn_implementation = attn_implementation
     cls = getattr(transformers, config.architecture)

@@ -77,8 +77,10 @@ def main() -> int:
         args.heads, args.kv_heads, args.head_dim = 8, 2, 64
         args.dtypes = ["fp16"]  # the interpreter's tl.dot mishandles bf16
     elif not torch.cuda.is_available():
-        print("kernels_bench: no CUDA device; this benchmark needs a GPU (the CPU path is kernels.reference; "
-              "--dry-run checks the script in the Triton interpreter).")
+        print(
+            "kernels_bench: no CUDA device; this benchmark needs a GPU (the CPU path is kernels.reference; "
+            "--dry-run checks the script in the Triton interpreter)."
+        )
         return 2
     import triton.testing
 
@@ -105,8 +107,10 @@ def main() -> int:
     H, KVH, D, BS = args.heads, args.kv_heads, args.head_dim, args.block_size
     scale = D**-0.5
     print(f"# {name}, {sms} SMs, peak {peak if peak else 'unknown'} TB/s; H={H} KVH={KVH} D={D} block={BS}")
-    header = (f"{'dtype':>5} {'batch':>5} {'ctx':>6} {'splits':>6} {'kernel_us':>10} {'GB/s':>8} {'%peak':>6} "
-              f"{'nosplit_us':>10} {'torch_us':>9} {'speedup':>7} {'max_err':>8}")
+    header = (
+        f"{'dtype':>5} {'batch':>5} {'ctx':>6} {'splits':>6} {'kernel_us':>10} {'GB/s':>8} {'%peak':>6} "
+        f"{'nosplit_us':>10} {'torch_us':>9} {'speedup':>7} {'max_err':>8}"
+    )
     print(header)
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -144,25 +148,43 @@ def main() -> int:
                 bytes_kv = B * ctx * KVH * D * 2 * k_cache.element_size()
                 gbps = bytes_kv / (t_kernel * 1e-3) / 1e9
                 row = {
-                    "dtype": dname, "batch": B, "context": ctx, "splits": splits, "kernel_us": t_kernel * 1e3,
-                    "gbps": gbps, "frac_peak": (gbps / (peak * 1e3)) if peak else None,
+                    "dtype": dname,
+                    "batch": B,
+                    "context": ctx,
+                    "splits": splits,
+                    "kernel_us": t_kernel * 1e3,
+                    "gbps": gbps,
+                    "frac_peak": (gbps / (peak * 1e3)) if peak else None,
                     "nosplit_us": t_nosplit * 1e3 if t_nosplit else None,
                     "torch_us": t_torch * 1e3 if t_torch else None,
-                    "speedup_vs_torch": (t_torch / t_kernel) if t_torch else None, "max_abs_err": err,
+                    "speedup_vs_torch": (t_torch / t_kernel) if t_torch else None,
+                    "max_abs_err": err,
                 }
                 rows.append(row)
 
                 def fmt(x, width, spec):
                     return format(x, f">{width}{spec}") if x is not None else format("-", f">{width}")
 
-                print(f"{dname:>5} {B:>5} {ctx:>6} {splits:>6} {row['kernel_us']:>10.1f} {gbps:>8.0f} "
-                      f"{fmt(row['frac_peak'] and 100 * row['frac_peak'], 6, '.1f')} "
-                      f"{fmt(row['nosplit_us'], 10, '.1f')} {fmt(row['torch_us'], 9, '.1f')} "
-                      f"{fmt(row['speedup_vs_torch'], 7, '.2f')} {fmt(err, 8, '.1e')}", flush=True)
+                print(
+                    f"{dname:>5} {B:>5} {ctx:>6} {splits:>6} {row['kernel_us']:>10.1f} {gbps:>8.0f} "
+                    f"{fmt(row['frac_peak'] and 100 * row['frac_peak'], 6, '.1f')} "
+                    f"{fmt(row['nosplit_us'], 10, '.1f')} {fmt(row['torch_us'], 9, '.1f')} "
+                    f"{fmt(row['speedup_vs_torch'], 7, '.2f')} {fmt(err, 8, '.1e')}",
+                    flush=True,
+                )
                 del k_cache, v_cache, q, out, inputs, decode
                 torch.cuda.empty_cache()
-    result = {"bench": "paged_attention_decode", "device": name, "sms": sms, "peak_tbps": peak,
-              "heads": H, "kv_heads": KVH, "head_dim": D, "block_size": BS, "rows": rows}
+    result = {
+        "bench": "paged_attention_decode",
+        "device": name,
+        "sms": sms,
+        "peak_tbps": peak,
+        "heads": H,
+        "kv_heads": KVH,
+        "head_dim": D,
+        "block_size": BS,
+        "rows": rows,
+    }
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

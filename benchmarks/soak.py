@@ -32,10 +32,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes  # noqa: E402
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
 
-PROMPTS = ["Once upon a time", "The capital of France is", "List three colors:", "def add(a, b):",
-           "Write a haiku about the sea.", "1, 2, 3,"]
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "List three colors:",
+    "def add(a, b):",
+    "Write a haiku about the sea.",
+    "1, 2, 3,",
+]
 STOPS = [None, ["\n"], [".", "!"], ["the"]]
 
 
@@ -69,8 +75,9 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def check_stream(events: list[Any], n_choices: int, include_usage: bool, logprobs: bool, chat: bool,
-                 stops: bool) -> list[str]:
+def check_stream(
+    events: list[Any], n_choices: int, include_usage: bool, logprobs: bool, chat: bool, stops: bool
+) -> list[str]:
     """What a careful client would check in one complete SSE stream; returns what broke."""
     problems = []
     if not events or events[-1] != "[DONE]":
@@ -101,8 +108,9 @@ def check_stream(events: list[Any], n_choices: int, include_usage: bool, logprob
             if c.get("finish_reason"):
                 finished.add(i)
     if logprobs and not chat and not stops:  # (a stop string cuts the text, not the tokens)
-        problems += [f"choice {i}: logprob tokens do not join to the text" for i in texts
-                     if token_texts.get(i, "") != texts[i]]
+        problems += [
+            f"choice {i}: logprob tokens do not join to the text" for i in texts if token_texts.get(i, "") != texts[i]
+        ]
     if finished != set(range(n_choices)):
         problems.append(f"finished choices {sorted(finished)} of {n_choices}")
     if include_usage:
@@ -114,12 +122,16 @@ def check_stream(events: list[Any], n_choices: int, include_usage: bool, logprob
 
 
 async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, tally: Tally) -> None:
-    kind = rng.choices(["stream", "whole", "chat", "disconnect", "oversized", "invalid"],
-                       weights=[40, 20, 20, 12, 3, 5])[0]
+    kind = rng.choices(
+        ["stream", "whole", "chat", "disconnect", "oversized", "invalid"], weights=[40, 20, 20, 12, 3, 5]
+    )[0]
     tally.requests += 1
     if kind == "oversized":
-        r = await http.post("/v1/completions", content=b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}',
-                            headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/completions",
+            content=b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}',
+            headers={"content-type": "application/json"},
+        )
         (tally.expected_errors if r.status_code == 413 else tally.errors)[f"oversized->{r.status_code}"] += 1
         return
     if kind == "invalid":
@@ -129,12 +141,21 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
     n = rng.randint(1, 3)
     logprobs = rng.random() < 0.5
     include_usage = rng.random() < 0.5
-    body: dict[str, Any] = {"model": model, "n": n, "max_tokens": rng.randint(4, 48), "temperature": 0.8,
-                            "seed": rng.randint(0, 2**31), "stop": rng.choice(STOPS)}
+    body: dict[str, Any] = {
+        "model": model,
+        "n": n,
+        "max_tokens": rng.randint(4, 48),
+        "temperature": 0.8,
+        "seed": rng.randint(0, 2**31),
+        "stop": rng.choice(STOPS),
+    }
     chat = kind == "chat"
     if chat:
-        body |= {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "logprobs": logprobs,
-                 "top_logprobs": 2 if logprobs else None}
+        body |= {
+            "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+            "logprobs": logprobs,
+            "top_logprobs": 2 if logprobs else None,
+        }
         path = "/v1/chat/completions"
     else:
         body |= {"prompt": rng.choice(PROMPTS), "logprobs": rng.choice([0, 2]) if logprobs else None}
@@ -167,8 +188,16 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
         tally.ok += 1
 
 
-async def soak(url: str, metrics_url: str, model: str, seconds: float, concurrency: int, seed: int,
-               frontend_pid: int | None, stub_pid: int | None) -> dict[str, Any]:
+async def soak(
+    url: str,
+    metrics_url: str,
+    model: str,
+    seconds: float,
+    concurrency: int,
+    seed: int,
+    frontend_pid: int | None,
+    stub_pid: int | None,
+) -> dict[str, Any]:
     tally = Tally()
     violations_before = metric(f"{url}/metrics", "frontend_stream_integrity_violations_total")
     rss_start = {"frontend": rss_mb(frontend_pid), "stub": rss_mb(stub_pid)}
@@ -192,14 +221,19 @@ async def soak(url: str, metrics_url: str, model: str, seconds: float, concurren
             break
         await asyncio.sleep(0.5)
     return {
-        "seconds": seconds, "concurrency": concurrency, "requests": tally.requests, "ok": tally.ok,
-        "expected_errors": dict(tally.expected_errors), "errors": dict(tally.errors),
-        "violations": len(tally.violations) + int(metric(f"{url}/metrics", "frontend_stream_integrity_violations_total")
-                                                  - violations_before),
+        "seconds": seconds,
+        "concurrency": concurrency,
+        "requests": tally.requests,
+        "ok": tally.ok,
+        "expected_errors": dict(tally.expected_errors),
+        "errors": dict(tally.errors),
+        "violations": len(tally.violations)
+        + int(metric(f"{url}/metrics", "frontend_stream_integrity_violations_total") - violations_before),
         "violation_examples": tally.violations[:5],
         "kv_blocks_in_use": kv_in_use,
-        "rss_mb": {name: [start, rss_mb(pid)] for (name, start), pid in
-                   zip(rss_start.items(), (frontend_pid, stub_pid))},
+        "rss_mb": {
+            name: [start, rss_mb(pid)] for (name, start), pid in zip(rss_start.items(), (frontend_pid, stub_pid))
+        },
     }
 
 
@@ -225,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             frontend_pid = frontend.proc.pid
         else:
             url, metrics_url, stub, frontend_pid = args.url.rstrip("/"), args.triton_metrics, None, None
-        result = asyncio.run(soak(url, metrics_url, DEFAULT_MODEL, args.minutes * 60, args.concurrency, args.seed,
-                                  frontend_pid, stub))
+        result = asyncio.run(
+            soak(url, metrics_url, DEFAULT_MODEL, args.minutes * 60, args.concurrency, args.seed, frontend_pid, stub)
+        )
     finally:
         if frontend is not None:
             frontend.stop()

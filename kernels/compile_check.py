@@ -54,24 +54,56 @@ def variants(dtypes=("fp16", "bf16", "fp32")):
             G = H // KVH
             for splits in (1, 4):
                 consts = {
-                    "H": H, "BLOCK_SIZE": BS, "G": G, "G_PAD": max(16, next_pow2(G)), "D": D, "D_PAD": next_pow2(D),
-                    "BLOCK_N": pa.BLOCK_N, "NUM_SPLITS": splits, "DOT_PRECISION": prec,
+                    "H": H,
+                    "BLOCK_SIZE": BS,
+                    "G": G,
+                    "G_PAD": max(16, next_pow2(G)),
+                    "D": D,
+                    "D_PAD": next_pow2(D),
+                    "BLOCK_N": pa.BLOCK_N,
+                    "NUM_SPLITS": splits,
+                    "DOT_PRECISION": prec,
                 }
-                yield (f"decode {dt} H{H}/KVH{KVH} D{D} splits={splits}", pa._paged_decode_kernel,
-                       {**tables, **partials}, consts, {"num_warps": 4, "num_stages": 2})
+                yield (
+                    f"decode {dt} H{H}/KVH{KVH} D{D} splits={splits}",
+                    pa._paged_decode_kernel,
+                    {**tables, **partials},
+                    consts,
+                    {"num_warps": 4, "num_stages": 2},
+                )
             consts = {"H": H, "NUM_SPLITS": 4, "S_PAD": 4, "D": D, "D_PAD": next_pow2(D)}
-            yield (f"decode-reduce {dt} D{D}", pa._decode_reduce_kernel, partials, consts,
-                   {"num_warps": 1 if next_pow2(D) <= 128 else 2})
+            yield (
+                f"decode-reduce {dt} D{D}",
+                pa._decode_reduce_kernel,
+                partials,
+                consts,
+                {"num_warps": 1 if next_pow2(D) <= 128 else 2},
+            )
             block_m, block_n = pp.tile_sizes(DTYPES[dt], on_gpu=True)
             consts = {
-                "BLOCK_SIZE": BS, "G": G, "D": D, "D_PAD": next_pow2(D), "BLOCK_M": block_m, "BLOCK_N": block_n,
+                "BLOCK_SIZE": BS,
+                "G": G,
+                "D": D,
+                "D_PAD": next_pow2(D),
+                "BLOCK_M": block_m,
+                "BLOCK_N": block_n,
                 "DOT_PRECISION": prec,
             }
-            yield (f"prefill {dt} H{H}/KVH{KVH} D{D}", pp._paged_prefill_kernel, tables, consts,
-                   {"num_warps": 4, "num_stages": 2})
+            yield (
+                f"prefill {dt} H{H}/KVH{KVH} D{D}",
+                pp._paged_prefill_kernel,
+                tables,
+                consts,
+                {"num_warps": 4, "num_stages": 2},
+            )
             consts = {"BLOCK_SIZE": BS, "KVH": KVH, "KVH_PAD": next_pow2(KVH), "D": D, "D_PAD": next_pow2(D)}
-            yield (f"store_kv {dt} KVH{KVH} D{D}", sk._store_kv_kernel, {"slot_ptr": "*i64"}, consts,
-                   {"num_warps": 4 if KVH * D >= 1024 else 1})
+            yield (
+                f"store_kv {dt} KVH{KVH} D{D}",
+                sk._store_kv_kernel,
+                {"slot_ptr": "*i64"},
+                consts,
+                {"num_warps": 4 if KVH * D >= 1024 else 1},
+            )
 
 
 def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), log=print) -> list[dict]:

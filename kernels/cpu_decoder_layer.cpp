@@ -1,12 +1,13 @@
 // llm_cpu::decoder_layer: one Llama decoder layer of a decode-only step on CPU, fp32, as ONE op:
 //   x2 = x + o_proj(attention(rope_store_kv(qkv_proj(rms_norm(x)))))
 //   y  = x2 + down_proj(silu_mul(gate_up_proj(rms_norm(x2))))
-// the same ops, in the same order, as backend.llama.Block.forward runs them one by one from Python
-// (bit-identical results, tested), called here directly (cpu_ops.h).
-// Why: at batch 1 a decode step is ~9 ops per layer x 30 layers from Python, each paying the
-// interpreter, the module code around it and torch's dispatcher (~5-10 us a call): ~2-4 ms of a
-// ~27 ms step in which the weights take ~20. backend.llama takes this path for decode-only steps in
-// eager mode where every op it needs is built; prefill and mixed steps keep the per-op path.
+// the same ops, in the same order, as backend/models/llama.py's LlamaDecoderLayer.forward runs them one
+// by one from Python (bit-identical results, tested), called here directly (cpu_ops.h).
+// Why: at batch 1 a decode step is ~9 ops per layer x every layer from Python, each paying the
+// interpreter, the module code around it and torch's dispatcher: a share of the step that small
+// models feel (figures: docs/kernels.md). backend.layers.cpu_decoder_layer takes this path for
+// decode-only steps in eager mode where every op it needs is built; prefill and mixed steps keep the
+// per-op path.
 
 #include <optional>
 

@@ -51,12 +51,22 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in (
-    "cpu_linear.cpp", "cpu_linear_avx512.cpp", "cpu_paged_attention.cpp", "cpu_paged_attention_avx512.cpp",
-    "cpu_paged_prefill.cpp", "cpu_paged_prefill_avx512.cpp", "cpu_layer_ops.cpp", "cpu_decoder_layer.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in (
+        "cpu_linear.cpp",
+        "cpu_linear_avx512.cpp",
+        "cpu_paged_attention.cpp",
+        "cpu_paged_attention_avx512.cpp",
+        "cpu_paged_prefill.cpp",
+        "cpu_paged_prefill_avx512.cpp",
+        "cpu_layer_ops.cpp",
+        "cpu_decoder_layer.cpp",
+    )
+]
 CpuLinear = Callable[..., torch.Tensor]
-# Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles: on 6 layers of SmolLM2's
-# matrices (AVX-512, 2 threads) the kernel was 1.1-1.4x faster at 32-143 rows, 0.9x at 256 and 2048.
+# Above this many rows oneDNN's packed GEMM beats the linear kernel's tiles (benchmarks/cpu_linear_bench.py
+# finds the crossover; figures in docs/kernels.md).
 MAX_LINEAR_ROWS = 160
 
 
@@ -106,8 +116,9 @@ def load() -> bool:
                 paged_decode=ops.paged_decode.default,
                 paged_prefill=ops.paged_prefill.default,
                 decoder_layer=ops.decoder_layer.default,
-                layer_ops=LayerOps(ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default,
-                                   ops.argmax_rows.default),
+                layer_ops=LayerOps(
+                    ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default, ops.argmax_rows.default
+                ),
             )
     return _kernels is not None
 
@@ -123,22 +134,31 @@ def _build() -> bool:
 
         build_dir().mkdir(parents=True, exist_ok=True)
         with _ninja_on_path():
-            build_extension(name="llm_cpu_kernels", sources=[str(s) for s in SOURCES],
-                            build_directory=str(build_dir()), extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch paths, which are correct
+            build_extension(
+                name="llm_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                build_directory=str(build_dir()),
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+    except Exception as exc:
         logger.warning("C++ CPU kernels not built (%s: %s); torch runs instead", type(exc).__name__, exc)
         return False
     # Shapes for torch.compile's tracing.
-    torch.library.register_fake("llm_cpu::linear")(lambda x, packed_weight, n, bias=None, residual=None:
-                                                   x.new_empty(x.shape[0], n))
+    torch.library.register_fake("llm_cpu::linear")(
+        lambda x, packed_weight, n, bias=None, residual=None: x.new_empty(x.shape[0], n)
+    )
     torch.library.register_fake("llm_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("llm_cpu::paged_prefill")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("llm_cpu::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("llm_cpu::rope_store_kv")(
-        lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1]))
+        lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1])
+    )
     torch.library.register_fake("llm_cpu::argmax_rows")(lambda x: x.new_empty(x.shape[0], dtype=torch.int64))
-    torch.library.register_fake("llm_cpu::silu_mul")(lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2))
+    torch.library.register_fake("llm_cpu::silu_mul")(
+        lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    )
     return True
 
 
@@ -185,8 +205,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rope_store_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def rope_store_kv_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
     """qkv (T, (H + 2 KVH) * D) rows [q heads | k heads | v heads]; cos, sin (T, D) (sin signed as in
     backend.layers.rope_tables); caches (NB, BS, KVH, D); slot_mapping (T,) int64.
     Rotates q and k, stores k and v at their slots (negative: skipped) -> rotated q (T, H, D)."""
@@ -204,8 +232,9 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """x (M, K) @ weight (N, K).T (+ bias (N,)) (+ residual (M, N)) -> (M, N)."""
     y = x @ weight.T  # (M, N)
     if bias is not None:
@@ -213,9 +242,16 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if residual is None else y + residual
 
 
-def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               *, plan: reference.DecodePlan | None = None) -> torch.Tensor:
+def paged_attention_decode_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    plan: reference.DecodePlan | None = None,
+) -> torch.Tensor:
     """paged_attention_decode_ref's contract (q (B, H, D) -> (B, H, D)): the C++ kernel for fp32 with
     unit head_dim stride where it is built, the reference (with its `plan`) otherwise."""
     op = paged_decode()
@@ -226,13 +262,25 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return op(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_prefill_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """paged_prefill_ref's contract (q (T, H, D) -> (T, H, D)): the C++ kernel for fp32, head_dim % 32 == 0
     and unit head_dim stride where it is built, the reference otherwise."""
     op = paged_prefill()
-    if (op is None or q.dtype != torch.float32 or q.shape[-1] % 32 != 0 or k_cache.stride(-1) != 1
-            or v_cache.stride(-1) != 1):
+    if (
+        op is None
+        or q.dtype != torch.float32
+        or q.shape[-1] % 32 != 0
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
+    ):
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     return op(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
 

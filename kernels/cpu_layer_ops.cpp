@@ -7,8 +7,7 @@
 //
 // Why: in a decode step the matmuls read the weights at the memory's speed, and what is left is
 // dispatch: ~40 small torch ops per layer (4 for a norm; split, roll, mul, addcmul, two index_copy for
-// rotary + cache store; chunk, silu, mul), 7-10 ms of a 42 ms batch-1 step on the project's machine.
-// Here they are 3 ops. Rows split over torch's intra-op threads (at::parallel_for) only when there
+// rotary + cache store; chunk, silu, mul), a large share of a batch-1 step. Here they are 3 ops. Rows split over torch's intra-op threads (at::parallel_for) only when there
 // are enough of them to pay for it. References (what the tests compare to): kernels.cpu_kernels.
 
 #include <immintrin.h>
@@ -165,8 +164,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // The index of each row's largest value, the first one where several tie, the first NaN where there
 // is one: torch.argmax's answer. x (S, V) -> (S,) int64. Two vector passes per row (the maximum, then
-// where it first is), rows over threads: ~10x torch.argmax on a decode batch's (S, 49152) logits,
-// which takes 1.5-2 ms at 12 rows on the project's machine (its reduction is scalar, one thread a row).
+// where it first is), rows over threads: torch.argmax's reduction is scalar, one thread a row.
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, "x must be (S, V) with V >= 1");

@@ -4,18 +4,17 @@
 //
 // Why kernels of our own: a decode step multiplies each weight matrix by one row per running sequence.
 // At 1-4 rows that is bound by reading the weights, and the library routines read SmolLM2's small
-// matrices (1-7 MB) slowly (torch.mv, F.linear, oneDNN's packed linear: 11-15 GB/s where a 256 MB matrix
-// reads at 20-30); at 8-160 rows by both the reading and the arithmetic, which must then overlap (up to
-// ~150 rows these tiles also beat oneDNN's GEMM: short prefill chunks run here too).
+// matrices (1-7 MB) well below the rate a large matrix reads at (torch.mv, F.linear, oneDNN's packed
+// linear); at 8-160 rows by both the reading and the arithmetic, which must then overlap (up to
+// MAX_LINEAR_ROWS these tiles also beat oneDNN's GEMM: short prefill chunks run here too).
 // Here each panel is two sequential reads (even k, odd k), a tile takes several panels far apart at
 // once where its registers allow (one row: 4 AVX-512, 3 AVX2), so several reads are in flight, and
 // prefetches 4 KB ahead; it keeps up to 12 (AVX-512) or 3 (AVX2) x rows times 32 columns of sums in
 // registers (see cpu_linear_tiles.h).
-// Measured on cpu_linear_bench.py's workload (30 layers of SmolLM2 matrices, an Intel Xeon VM with
-// AVX-512, 2 threads, old and new builds alternating in one process): see docs/kernels.md.
+// Figures (benchmarks/cpu_linear_bench.py): docs/kernels.md.
 // Output panels are split in contiguous ranges over torch's intra-op threads (at::parallel_for), so
 // torch.set_num_threads governs it like every other op.
-// Built at first use by kernels/cpu_kernels.py; benchmarks/cpu_linear_bench.py measures it.
+// Built and loaded by kernels/cpu_kernels.py (load()); benchmarks/cpu_linear_bench.py measures it.
 
 #include <immintrin.h>
 

@@ -74,8 +74,7 @@ struct Avx512 {
 
 // How far ahead of its loads a tile prefetches each of its panels (the next panel's start included): with
 // 2+ rows a k step is enough arithmetic that the hardware prefetcher alone leaves the stream idle between
-// misses. 4 KB: 12 rows of SmolLM2's matrices 26-30 -> 19-21 ms per 30 layers in a C++ test (16 KB the
-// same); one row (8 panels at once) 1-3% faster than without.
+// misses. 4 KB was as good as any distance tried, at 12 rows and at one (docs/kernels.md).
 constexpr int64_t kPrefetchFloats = 1024;
 
 // y[m0 + i, 32 p .. 32 p + 31] for i < MB, from the accumulators of one panel.
@@ -147,10 +146,9 @@ template <class Vec>
 constexpr int max_rows = Vec::accumulators / (kPanel / Vec::width);
 
 // Panels a tile of R rows takes at once: as many as its accumulators allow, at most 4 (8 streams with
-// kHalves). Several panels far apart are several sequential reads in flight; on the 30-layer workload
-// (AVX-512, 2 threads, one stream per panel then) 2 rows 4 panels 1.2x faster than 1 panel, 4 rows 3
-// panels 1.25x, 6 rows 2 panels 1.17x; one row 8 panels ~ 4 > 2. With two streams per panel one row
-// takes 4 (8 panels: 3% slower).
+// kHalves). Several panels far apart are several sequential reads in flight, which beat one panel at
+// every row count measured; one row takes 4 (8 panels read no faster with two streams per panel).
+// Figures: docs/kernels.md.
 template <class Vec, int R>
 constexpr int panels_at_once() {
   constexpr int n = max_rows<Vec> / R, cap = 4;
@@ -198,7 +196,7 @@ void rows_times_panel(const LinearArgs& a, int64_t m, int64_t R_rows, int64_t p)
 
 // Passes per block of x rows in `panels`: each panel goes through one block's rows (36 with SmolLM2's
 // shapes: 83-220 KB of x, in L2) before the next panel, and the next block starts over the panels.
-// Against all rows per panel: 143 rows 1.2x faster, 2048 rows 1.1x (2-3 passes alike; 6+ slower).
+// Faster than all rows per panel at both short and long prefills (2-3 passes alike; 6+ slower).
 constexpr int64_t kBlockPasses = 3;
 
 // One thread's panels [p0, p1). Up to max_rows x rows: one pass (one_pass). More: each panel times a

@@ -4,8 +4,7 @@
 // table; grouped-query attention (the G = H / KVH query heads of a KV head share its K/V, read once).
 // Exact softmax in two passes over a scores buffer (contexts on CPU are short enough to hold it).
 // Why not the torch reference: it gathers every context into a padded copy (two index_select) and runs
-// SDPA on tiny matrices: ~0.9 ms per layer at 16 sequences of ~140 tokens on the project's machine,
-// most of it copies and per-call overhead. Work is split over sequences with at::parallel_for. Where the
+// SDPA on tiny matrices, most of its time copies and per-call overhead. Work is split over sequences with at::parallel_for. Where the
 // CPU has AVX-512 and the head shape fits, cpu_paged_attention_avx512.cpp runs instead, over (sequence,
 // KV head) units split by work. Built with cpu_linear.cpp by kernels/cpu_kernels.py; the reference it
 // must match is kernels.reference.paged_attention_decode_ref.
@@ -40,8 +39,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
 
 // The dot products of q with 8 K rows (k, k + stride, ..., D % 8 == 0): one accumulator per row, so 8
 // independent FMA chains, then one transposing reduction that leaves the 8 sums in one vector. One dot
-// at a time waited on each FMA's latency and paid a horizontal sum per position: the whole kernel at 16
-// sequences of 160 tokens (SmolLM2's heads) took 350 us per layer that way, 219 us with this.
+// at a time waited on each FMA's latency and paid a horizontal sum per position.
 inline __m256 dot8(const float* q, const float* k, int64_t stride, int64_t D) {
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
@@ -93,9 +91,9 @@ inline void prefetch_rows(const float* block, int64_t n, int64_t row_stride, int
 }
 
 // One sequence, for G (<= 4) query heads per KV head and D % 32 == 0 (SmolLM2: G = 3, D = 64): the G
-// heads of a KV head go through its K and V rows together, so each loaded row serves G heads. Against
-// one head at a time (the general path below): 1-2 sequences of 600 tokens 1.25-1.3x faster; 16 of 160
-// the same (219 us per layer both; there the caches' 4 MB no longer fit in L2 and reading them bounds it).
+// heads of a KV head go through its K and V rows together, so each loaded row serves G heads: faster than
+// one head at a time (the general path below) on few long sequences; equal on many short ones, where
+// the caches no longer fit in L2 and reading them bounds both.
 //   q (H, D), scores (H, L) scratch, o (H, D).
 template <int G>
 void attend_grouped(const llm_cpu::PagedArgs& c, const int32_t* table, int64_t L, int64_t KVH, int64_t D, float scale,

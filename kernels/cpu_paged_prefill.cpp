@@ -4,9 +4,8 @@
 // as in chunked prefill) attend causally to their cached prefix plus themselves; query i of a sequence
 // with q_len new tokens and seq_len positions sits at position seq_len - q_len + i.
 // Why not the reference: per sequence it gathers the context into copies, permutes, builds a mask and
-// runs SDPA on small matrices: ~1.3 ms per 128-token sequence per layer with SmolLM2's heads on the
-// project's machine, a fifth of a prefill step. Where the CPU has AVX-512 and head_dim is 32, 64 or 128,
-// cpu_paged_prefill_avx512.cpp runs instead (flash-style, 3-5x faster from a 512-token context on), on
+// runs SDPA on small matrices, a large share of a prefill step. Where the CPU has AVX-512 and head_dim
+// is 32, 64 or 128, cpu_paged_prefill_avx512.cpp runs instead (flash-style, far faster on long contexts), on
 // the tasks prefill_avx512 below hands out. Otherwise this file's AVX2 code: one task per (sequence,
 // KV head) (or per chunk of its rows, where there are few sequences):
 //   - K of that head is copied, transposed, into Kt (D, positions rounded up to 32, zeros past them);

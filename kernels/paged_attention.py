@@ -43,7 +43,8 @@ BLOCK_N = 64  # context tokens per inner-loop tile
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,  # (B, H, D)
-    k_cache_ptr, v_cache_ptr,  # (NB, BS, KVH, D)
+    k_cache_ptr,
+    v_cache_ptr,  # (NB, BS, KVH, D)
     block_tables_ptr,  # (B, max_blocks) int32
     seq_lens_ptr,  # (B,) int32
     out_ptr,  # (B, H, D), written when NUM_SPLITS == 1
@@ -51,15 +52,23 @@ def _paged_decode_kernel(
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32 log2-sum-exp of each split
     scale_log2e,  # softmax scale * log2(e)
     tokens_per_split,  # multiple of BLOCK_N
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ob, stride_oh,
+    stride_ob,
+    stride_oh,
     H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -81,7 +90,8 @@ def _paged_decode_kernel(
 
     q = tl.load(
         q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # (G_PAD, D_PAD)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
@@ -98,7 +108,8 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_head + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )  # (BLOCK_N, D_PAD)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # (G_PAD, BLOCK_N)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -108,7 +119,8 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )  # (BLOCK_N, D_PAD)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -118,7 +130,8 @@ def _paged_decode_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
         )
     else:
         # An empty split (start >= seq_len) has l_i == 0: it stores lse = -inf and zeros.
@@ -135,10 +148,13 @@ def _decode_reduce_kernel(
     part_out_ptr,  # (B, H, NUM_SPLITS, D) fp32
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32
     out_ptr,  # (B, H, D)
-    stride_ob, stride_oh,
+    stride_ob,
+    stride_oh,
     H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -203,8 +219,11 @@ def paged_attention_decode(
     if B == 0 or max_context == 0:
         return out
     if num_splits is None:
-        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 1
+        sms = (
+            num_sms(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else 1
+        )
         num_splits = choose_num_splits(B, KVH, max_context, sms)
     assert num_splits >= 1
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), BLOCK_N) * BLOCK_N
@@ -220,21 +239,51 @@ def paged_attention_decode(
         part_out = part_lse = out  # unused
     with device_guard(device):
         _paged_decode_kernel[(B, KVH, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-            scale * LOG2E, tokens_per_split,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            scale * LOG2E,
+            tokens_per_split,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            H=H, BLOCK_SIZE=BS, G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
-            NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=4, num_stages=2,
+            out.stride(0),
+            out.stride(1),
+            H=H,
+            BLOCK_SIZE=BS,
+            G=G,
+            G_PAD=G_PAD,
+            D=D,
+            D_PAD=D_PAD,
+            BLOCK_N=BLOCK_N,
+            NUM_SPLITS=num_splits,
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=4,
+            num_stages=2,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(B, H)](
-                part_out, part_lse, out, out.stride(0), out.stride(1),
-                H=H, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits), D=D, D_PAD=D_PAD,
+                part_out,
+                part_lse,
+                out,
+                out.stride(0),
+                out.stride(1),
+                H=H,
+                NUM_SPLITS=num_splits,
+                S_PAD=next_pow2(num_splits),
+                D=D,
+                D_PAD=D_PAD,
                 num_warps=1 if D_PAD <= 128 else 2,
             )
     return out

@@ -33,21 +33,30 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr,  # (T, H, D)
-    k_cache_ptr, v_cache_ptr,  # (NB, BS, KVH, D)
+    k_cache_ptr,
+    v_cache_ptr,  # (NB, BS, KVH, D)
     block_tables_ptr,  # (B, max_blocks) int32
     query_start_loc_ptr,  # (B+1,) int32
     seq_lens_ptr,  # (B,) int32
     out_ptr,  # (T, H, D)
     scale_log2e,  # softmax scale * log2(e)
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ot, stride_oh,
+    stride_ot,
+    stride_oh,
     BLOCK_SIZE: tl.constexpr,
     G: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -72,7 +81,8 @@ def _paged_prefill_kernel(
 
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # (BLOCK_M, D_PAD)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -91,7 +101,8 @@ def _paged_prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_head + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )  # (BLOCK_N, D_PAD)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # (BLOCK_M, BLOCK_N)
         # Causal with the prefix offset; position 0 is always allowed, so no row is all -inf.
@@ -103,7 +114,8 @@ def _paged_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )  # (BLOCK_N, D_PAD)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -111,7 +123,8 @@ def _paged_prefill_kernel(
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -174,15 +187,33 @@ def paged_prefill(
     grid = (triton.cdiv(max_query_len, BLOCK_M), B, H)
     with device_guard(device):
         _paged_prefill_kernel[grid](
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            out,
             scale * LOG2E,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            BLOCK_SIZE=BS, G=H // KVH, D=D, D_PAD=next_pow2(D),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=4, num_stages=2,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_SIZE=BS,
+            G=H // KVH,
+            D=D,
+            D_PAD=next_pow2(D),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=4,
+            num_stages=2,
         )
     return out

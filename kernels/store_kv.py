@@ -17,16 +17,26 @@ from kernels.reference import store_kv_ref  # noqa: F401  (the reference this ke
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr,  # (T, KVH, D) new keys / values
-    k_cache_ptr, v_cache_ptr,  # (NB, BS, KVH, D)
+    k_ptr,
+    v_ptr,  # (T, KVH, D) new keys / values
+    k_cache_ptr,
+    v_cache_ptr,  # (NB, BS, KVH, D)
     slot_ptr,  # (T,) int64
-    stride_kt, stride_kh,  # k strides (token, head); head_dim stride is 1
-    stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,  # k_cache strides (block, slot, head)
-    stride_vcb, stride_vcs, stride_vch,  # v_cache strides
+    stride_kt,
+    stride_kh,  # k strides (token, head); head_dim stride is 1
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,  # k_cache strides (block, slot, head)
+    stride_vcb,
+    stride_vcs,
+    stride_vch,  # v_cache strides
     BLOCK_SIZE: tl.constexpr,
-    KVH: tl.constexpr, KVH_PAD: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
+    KVH: tl.constexpr,
+    KVH_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -73,11 +83,25 @@ def store_kv(
         return
     with device_guard(device):
         _store_kv_kernel[(T,)](
-            k, v, k_cache, v_cache, slot_mapping,
-            k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=BS, KVH=KVH, KVH_PAD=next_pow2(KVH), D=D, D_PAD=next_pow2(D),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            BLOCK_SIZE=BS,
+            KVH=KVH,
+            KVH_PAD=next_pow2(KVH),
+            D=D,
+            D_PAD=next_pow2(D),
             num_warps=4 if KVH * D >= 1024 else 1,
         )

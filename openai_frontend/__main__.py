@@ -13,8 +13,9 @@ from openai_frontend.shutdown import GracefulServer
 def main() -> None:
     settings = parse_settings()
     app = create_app(ServerPool(settings.triton_urls), settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+    )
     GracefulServer(config, app.state.drain).run()
 
 

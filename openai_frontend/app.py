@@ -66,8 +66,13 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=True,
-                           allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_credentials=True,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(_RefuseWhileDraining, drain=app.state.drain)
     app.add_middleware(_RequestMetrics, metrics=metrics)
@@ -159,8 +164,9 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = RequestTooLarge(f"the request body is larger than this server accepts ({self.max_bytes} bytes)",
-                                    "body")
+        too_large = RequestTooLarge(
+            f"the request body is larger than this server accepts ({self.max_bytes} bytes)", "body"
+        )
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _error_response(too_large)(scope, receive, send)

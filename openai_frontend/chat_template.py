@@ -46,9 +46,15 @@ def template_reads_tools(model: str, source: str) -> bool:
         return False
 
 
-def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+def render_chat(
+    model: ModelInfo,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The prompt text for `messages`, as Hugging Face's `apply_chat_template` renders it.
 
     add_generation_prompt: end with the assistant's turn header. continue_final_message: end inside the
@@ -59,8 +65,12 @@ def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[di
     """
     if not model.chat_template:
         raise InvalidRequest(f"model `{model.name}` has no chat template; use /v1/completions", "messages")
-    variables: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                                 "bos_token": model.bos_token, "eos_token": model.eos_token}
+    variables: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": model.bos_token,
+        "eos_token": model.eos_token,
+    }
     if tools is not None:
         variables["tools"] = tools
     variables.update(template_kwargs or {})
@@ -73,7 +83,9 @@ def render_chat(model: ModelInfo, messages: list[dict[str, Any]], tools: list[di
     if continue_final_message:
         final = str(messages[-1].get("content") or "").strip()
         if final not in rendered:
-            raise InvalidRequest("continue_final_message: the final message does not appear in the rendered chat",
-                                 "continue_final_message")
+            raise InvalidRequest(
+                "continue_final_message: the final message does not appear in the rendered chat",
+                "continue_final_message",
+            )
         rendered = rendered[: rendered.rindex(final) + len(final)]
     return rendered

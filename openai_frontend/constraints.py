@@ -51,8 +51,11 @@ def request_constraint(req: SamplingFields) -> Constraint | None:
     if not found:
         return None
     if len(found) > 1:
-        raise InvalidRequest("only one kind of structured output constraint may be given, not "
-                             + " and ".join(param for param, _ in found), found[1][0])
+        raise InvalidRequest(
+            "only one kind of structured output constraint may be given, not "
+            + " and ".join(param for param, _ in found),
+            found[1][0],
+        )
     param, spec = found[0]
     return Constraint(_spec(spec, param), param)
 

@@ -53,8 +53,14 @@ class _ModelHealth:
 
 
 class EngineWatchdog:
-    def __init__(self, probe: Callable[[str], Awaitable[str]], *, interval_s: float = 1.0, timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        probe: Callable[[str], Awaitable[str]],
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._probe = probe
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._clock = clock
@@ -142,9 +148,12 @@ class EngineWatchdog:
             instance = await asyncio.wait_for(self._probe(model), self.timeout_s)
         except ProbesUnsupported:
             health.unsupported = True
-        except asyncio.TimeoutError:
-            self._mark_down(health, model, f"the engine of model `{model}` did not answer a health probe "
-                                           f"within {self.timeout_s:g} s")
+        except TimeoutError:
+            self._mark_down(
+                health,
+                model,
+                f"the engine of model `{model}` did not answer a health probe within {self.timeout_s:g} s",
+            )
         except FrontendError as e:
             self._mark_down(health, model, f"the engine of model `{model}` is not serving: {e.message}")
         else:
@@ -167,8 +176,9 @@ class EngineWatchdog:
         if previous is not None and previous != life:
             watches, health.watches = health.watches, set()
             for w in watches:
-                w.kill(f"the engine of model `{model}` was restarted while this request ran "
-                       f"({name}: {previous} -> {life})")
+                w.kill(
+                    f"the engine of model `{model}` was restarted while this request ran ({name}: {previous} -> {life})"
+                )
 
     def _mark_down(self, health: _ModelHealth, model: str, reason: str) -> None:
         if health.down is None:

@@ -20,8 +20,9 @@ class FrontendError(Exception):
     default_code: str | None = None
     default_retry_after_s: int | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, *,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: str | None = None, *, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

@@ -33,10 +33,23 @@ def completion_logprobs(out: StepOutput, text_offset: int, as_ids: bool = False)
         offsets.append(text_offset)
         text_offset += len(lp.token_texts[i])
         tokens.append(token_name(lp.token_texts[i], token_id, as_ids))
-        top.append(_top_entry(tokens[-1], lp.logprobs[i], token_id, lp.top_token_ids[i], lp.top_token_texts[i],
-                              lp.top_logprobs[i], as_ids))
-    return {"tokens": tokens, "token_logprobs": [clamp(x) for x in lp.logprobs], "top_logprobs": top,
-            "text_offset": offsets}
+        top.append(
+            _top_entry(
+                tokens[-1],
+                lp.logprobs[i],
+                token_id,
+                lp.top_token_ids[i],
+                lp.top_token_texts[i],
+                lp.top_logprobs[i],
+                as_ids,
+            )
+        )
+    return {
+        "tokens": tokens,
+        "token_logprobs": [clamp(x) for x in lp.logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def echo_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> dict[str, list[Any]]:
@@ -49,10 +62,23 @@ def echo_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> dict[str,
         offset += len(text)
     top: list[dict[str, float] | None] = [None]
     for j in range(len(pl.logprobs)):
-        top.append(_top_entry(tokens[j + 1], pl.logprobs[j], pl.token_ids[j + 1], pl.top_token_ids[j][:k],
-                              pl.top_token_texts[j][:k], pl.top_logprobs[j][:k], as_ids))
-    return {"tokens": tokens, "token_logprobs": [None, *(clamp(x) for x in pl.logprobs)], "top_logprobs": top,
-            "text_offset": offsets}
+        top.append(
+            _top_entry(
+                tokens[j + 1],
+                pl.logprobs[j],
+                pl.token_ids[j + 1],
+                pl.top_token_ids[j][:k],
+                pl.top_token_texts[j][:k],
+                pl.top_logprobs[j][:k],
+                as_ids,
+            )
+        )
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(clamp(x) for x in pl.logprobs)],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def prompt_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> list[dict[str, dict[str, Any]] | None]:
@@ -61,12 +87,20 @@ def prompt_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> list[di
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for j in range(len(pl.logprobs)):
         token_id = pl.token_ids[j + 1]
-        entry = {str(token_id): {"logprob": clamp(pl.logprobs[j]), "rank": pl.ranks[j],
-                                 "decoded_token": token_name(pl.token_texts[j + 1], token_id, as_ids)}}
+        entry = {
+            str(token_id): {
+                "logprob": clamp(pl.logprobs[j]),
+                "rank": pl.ranks[j],
+                "decoded_token": token_name(pl.token_texts[j + 1], token_id, as_ids),
+            }
+        }
         for rank, (alt_id, alt_text, alt_lp) in enumerate(
-                zip(pl.top_token_ids[j][:k], pl.top_token_texts[j][:k], pl.top_logprobs[j][:k]), start=1):
-            entry.setdefault(str(alt_id), {"logprob": clamp(alt_lp), "rank": rank,
-                                           "decoded_token": token_name(alt_text, alt_id, as_ids)})
+            zip(pl.top_token_ids[j][:k], pl.top_token_texts[j][:k], pl.top_logprobs[j][:k]), start=1
+        ):
+            entry.setdefault(
+                str(alt_id),
+                {"logprob": clamp(alt_lp), "rank": rank, "decoded_token": token_name(alt_text, alt_id, as_ids)},
+            )
         out.append(entry)
     return out
 
@@ -78,18 +112,27 @@ def chat_logprobs(out: StepOutput, top_k: int, as_ids: bool = False) -> dict[str
     content = []
     for i, token_id in enumerate(out.token_ids):
         alts = []
-        for alt_id, alt_text, alt_lp in zip(lp.top_token_ids[i][:top_k], lp.top_token_texts[i][:top_k],
-                                            lp.top_logprobs[i][:top_k]):
+        for alt_id, alt_text, alt_lp in zip(
+            lp.top_token_ids[i][:top_k], lp.top_token_texts[i][:top_k], lp.top_logprobs[i][:top_k]
+        ):
             name = token_name(alt_text, alt_id, as_ids)
             alts.append({"token": name, "logprob": clamp(alt_lp), "bytes": list(name.encode("utf-8"))})
         name = token_name(lp.token_texts[i], token_id, as_ids)
-        content.append({"token": name, "logprob": clamp(lp.logprobs[i]), "bytes": list(name.encode("utf-8")),
-                        "top_logprobs": alts})
+        content.append(
+            {"token": name, "logprob": clamp(lp.logprobs[i]), "bytes": list(name.encode("utf-8")), "top_logprobs": alts}
+        )
     return {"content": content}
 
 
-def _top_entry(name: str, logprob: float, token_id: int, alt_ids: tuple[int, ...], alt_texts: tuple[str, ...],
-               alt_logprobs: tuple[float, ...], as_ids: bool) -> dict[str, float]:
+def _top_entry(
+    name: str,
+    logprob: float,
+    token_id: int,
+    alt_ids: tuple[int, ...],
+    alt_texts: tuple[str, ...],
+    alt_logprobs: tuple[float, ...],
+    as_ids: bool,
+) -> dict[str, float]:
     entry = {name: clamp(logprob)}
     for alt_id, alt_text, alt_lp in zip(alt_ids, alt_texts, alt_logprobs):
         if alt_id != token_id:

@@ -8,8 +8,30 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                    0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 # Paths whose requests are counted under their own label; everything else is "other".
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready", "/metrics")
@@ -20,24 +42,30 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.extra_registries: list[CollectorRegistry] = []  # e.g. the server pool's per-server metrics
         r = self.registry
-        self.requests = Counter("frontend_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("frontend_prompt_tokens", "Prompt tokens of finished engine requests",
-                                     registry=r)
-        self.generation_tokens = Counter("frontend_generation_tokens", "Tokens generated (sent to clients)",
-                                         registry=r)
-        self.time_to_first_token = Histogram("frontend_time_to_first_token_seconds",
-                                             "From request arrival to the first generated token",
-                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram("frontend_inter_token_latency_seconds",
-                                             "Between two consecutive responses of one sequence, per token",
-                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests_in_flight = Gauge("frontend_requests_in_flight", "Generation requests being served",
-                                        registry=r)
+        self.requests = Counter(
+            "frontend_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("frontend_prompt_tokens", "Prompt tokens of finished engine requests", registry=r)
+        self.generation_tokens = Counter("frontend_generation_tokens", "Tokens generated (sent to clients)", registry=r)
+        self.time_to_first_token = Histogram(
+            "frontend_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "frontend_inter_token_latency_seconds",
+            "Between two consecutive responses of one sequence, per token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests_in_flight = Gauge("frontend_requests_in_flight", "Generation requests being served", registry=r)
         self.in_flight = 0  # the gauge's value, readable (graceful shutdown waits for it to reach 0)
-        self.integrity_violations = Counter("frontend_stream_integrity_violations",
-                                            "Triton responses that broke step order or came after a finish",
-                                            registry=r)
+        self.integrity_violations = Counter(
+            "frontend_stream_integrity_violations",
+            "Triton responses that broke step order or came after a finish",
+            registry=r,
+        )
 
     def observe_request(self, path: str, status: int) -> None:
         if path.startswith("/v1/models/"):

@@ -2,8 +2,9 @@
 
 `extra="forbid"` everywhere but inside chat messages: an unknown or unsupported field (functions,
 suffix, ...) is a 400 that names it, never silently ignored. Inside a message unknown fields are
-ignored (vLLM's rule), because clients send back OpenAI's own response fields there. Range checks of sampling values live in
-backend.types.SamplingParams (one place); the schemas check types and the OpenAI-only rules.
+ignored (vLLM's rule), because clients send back OpenAI's own response fields there. Range checks of
+sampling values live in backend.types.SamplingParams (one place); the schemas check types and the
+OpenAI-only rules.
 """
 
 from __future__ import annotations
@@ -105,8 +106,10 @@ class SamplingFields(_Strict):
         not wrap, so `param` is the field's path, not a union member's.)"""
         where = _unencodable_text(data, "")
         if where is not None:
-            raise InvalidRequest(f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate "
-                                 "(\\ud800-\\udfff)", where or None)
+            raise InvalidRequest(
+                f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate (\\ud800-\\udfff)",
+                where or None,
+            )
         return data
 
 
@@ -210,8 +213,11 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
         if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true "
-                                 "(set add_generation_prompt to false)", "continue_final_message")
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false)",
+                "continue_final_message",
+            )
         return self
 
 

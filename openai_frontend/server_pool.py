@@ -56,8 +56,7 @@ def affinity_key(prompt: str | Sequence[int]) -> bytes:
 
 def rendezvous_order(key: bytes, servers: Sequence[str]) -> list[str]:
     """Servers by preference for `key` (highest random weight first): stable as servers come and go."""
-    return sorted(servers, key=lambda s: hashlib.blake2b(key + b"|" + s.encode(), digest_size=8).digest(),
-                  reverse=True)
+    return sorted(servers, key=lambda s: hashlib.blake2b(key + b"|" + s.encode(), digest_size=8).digest(), reverse=True)
 
 
 @dataclass
@@ -71,8 +70,13 @@ class _Server:
 
 
 class ServerPool:
-    def __init__(self, urls: Sequence[str], *, make_client: Callable[[str], TritonEngineClient] = TritonEngineClient,
-                 resolve: Callable[[str], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        make_client: Callable[[str], TritonEngineClient] = TritonEngineClient,
+        resolve: Callable[[str], list[str]] | None = None,
+    ) -> None:
         if not urls:
             raise ValueError("ServerPool needs at least one Triton URL")
         self.urls = list(urls)
@@ -82,14 +86,21 @@ class ServerPool:
         self._task: asyncio.Task | None = None
         self._last_resolve = float("-inf")
         self.registry = CollectorRegistry()
-        self._m_in_flight = Gauge("frontend_server_in_flight", "Engine requests in flight per Triton server",
-                                  ["server"], registry=self.registry)
-        self._m_routed = Counter("frontend_server_routed", "Engine requests routed per Triton server", ["server"],
-                                 registry=self.registry)
-        self._m_failures = Counter("frontend_server_failures", "Engine requests a Triton server failed",
-                                   ["server"], registry=self.registry)
-        self._m_healthy = Gauge("frontend_server_healthy", "1 while a Triton server takes traffic", ["server"],
-                                registry=self.registry)
+        self._m_in_flight = Gauge(
+            "frontend_server_in_flight",
+            "Engine requests in flight per Triton server",
+            ["server"],
+            registry=self.registry,
+        )
+        self._m_routed = Counter(
+            "frontend_server_routed", "Engine requests routed per Triton server", ["server"], registry=self.registry
+        )
+        self._m_failures = Counter(
+            "frontend_server_failures", "Engine requests a Triton server failed", ["server"], registry=self.registry
+        )
+        self._m_healthy = Gauge(
+            "frontend_server_healthy", "1 while a Triton server takes traffic", ["server"], registry=self.registry
+        )
         for url in self.urls:  # known at once, resolved for real on first use
             self._add(url)
 
@@ -128,15 +139,18 @@ class ServerPool:
                 unavailable = unavailable or e
         raise unavailable or ModelNotFound(model)
 
-    async def generate(self, model: str, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StepOutput]:
         await self._refresh()
         tried: set[str] = set()
         while True:
             server = self._choose(model, prompt, exclude=tried)
             if server is None:
-                raise EngineUnavailable(f"no Triton server can serve model `{model}` now "
-                                        f"({len(self._servers)} known, {len(tried)} tried)", retry_after_s=5)
+                raise EngineUnavailable(
+                    f"no Triton server can serve model `{model}` now ({len(self._servers)} known, {len(tried)} tried)",
+                    retry_after_s=5,
+                )
             tried.add(server.url)
             started = False
             server.in_flight += 1
@@ -154,7 +168,7 @@ class ServerPool:
                 return
             except EngineUnavailable:
                 if started:  # tokens were sent: the stream ends with an error event, not a second answer (an
-                    raise    # engine that died midway is its watchdog's business, not a mark against the server)
+                    raise  # engine that died midway is its watchdog's business, not a mark against the server)
                 self._failed(server)
             finally:
                 server.in_flight -= 1
@@ -173,8 +187,11 @@ class ServerPool:
     # -- routing --------------------------------------------------------------------------------------
 
     def _choose(self, model: str, prompt: str | list[int], exclude: set[str]) -> _Server | None:
-        usable = [s for s in self._servers.values() if s.url not in exclude and (not s.models or model in s.models)
-                  and not s.client.watchdog.is_down(model)]
+        usable = [
+            s
+            for s in self._servers.values()
+            if s.url not in exclude and (not s.models or model in s.models) and not s.client.watchdog.is_down(model)
+        ]
         # Taken-out servers only as a last resort (a lone server is still tried while it is being checked).
         candidates = [s for s in usable if not s.ejected] or usable
         if not candidates:

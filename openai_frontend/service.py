@@ -26,8 +26,14 @@ from openai_frontend.metrics import Metrics
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from openai_frontend.settings import Settings
 from openai_frontend.tokenizers import Tokenizers
-from openai_frontend.tool_calls import ToolCallStream, ToolPlan, forced_call_schema, template_messages, \
-    template_tools, tool_plan
+from openai_frontend.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    forced_call_schema,
+    template_messages,
+    template_tools,
+    tool_plan,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +81,23 @@ class Service:
             async for chunk in chunks:
                 usage = chunk.get("usage", usage)
                 for c in chunk["choices"]:
-                    acc = choices.setdefault(c["index"], {"index": c["index"], "text": "", "logprobs": None,
-                                                          "finish_reason": None, "stop_reason": None})
+                    acc = choices.setdefault(
+                        c["index"],
+                        {"index": c["index"], "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None},
+                    )
                     acc["text"] += c["text"]
                     if c["logprobs"] is not None:
                         acc["logprobs"] = _extend_lists(acc["logprobs"], c["logprobs"])
                     acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c["stop_reason"]
                     _merge_token_fields(acc, c)
-        return {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model,
-                "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+        return {
+            "id": plan.request_id,
+            "object": "text_completion",
+            "created": plan.created,
+            "model": plan.model,
+            "choices": [choices[i] for i in sorted(choices)],
+            "usage": usage,
+        }
 
     async def _completion_plan(self, req: CompletionRequest, force_usage: bool = False) -> _Plan:
         arrival = time.monotonic()
@@ -92,15 +106,22 @@ class Service:
         prompts = _normalize_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
         if max_tokens == 0 and not req.echo:
-            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo: the prompt is scored, "
-                                 "nothing generated)", "max_tokens")
+            raise InvalidRequest(
+                "max_tokens must be at least 1 (0 only with echo: the prompt is scored, nothing generated)",
+                "max_tokens",
+            )
         echo_logprobs = req.logprobs if req.echo else None
         constraint = request_constraint(req)
         # vLLM's rules: echo with logprobs k scores the prompt with k alternatives unless prompt_logprobs says
         # otherwise; max_tokens 0 runs one step and shows none of it.
         scored = max(k for k in (req.prompt_logprobs, echo_logprobs, -1) if k is not None)
-        params = _sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=req.logprobs, constraint=constraint,
-                                  prompt_logprobs=scored if scored >= 0 else None)
+        params = _sampling_params(
+            req,
+            max_tokens=max(max_tokens, 1),
+            logprobs=req.logprobs,
+            constraint=constraint,
+            prompt_logprobs=scored if scored >= 0 else None,
+        )
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
         # The frontend's tokenizer is needed to show token-id prompts as text, and to send text prompts as ids.
@@ -108,17 +129,34 @@ class Service:
         tokenizer = await self.tokenizers.get(model) if echo_ids or req.return_token_ids else None
         echo_texts = None
         if req.echo:
-            echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                               for p in prompts)
+            echo_texts = tuple(
+                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts
+            )
         if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
             prompts = tuple(tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts)
-        return _Plan(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, prompts, params, echo_texts,
-                     include, continuous, 0, arrival, constraint, echo_logprobs=echo_logprobs,
-                     echo_only=bool(req.echo) and max_tokens == 0, show_prompt_logprobs=req.prompt_logprobs,
-                     return_token_ids=bool(req.return_token_ids), tokens_as_ids=bool(req.return_tokens_as_token_ids))
+        return _Plan(
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            req.model,
+            prompts,
+            params,
+            echo_texts,
+            include,
+            continuous,
+            0,
+            arrival,
+            constraint,
+            echo_logprobs=echo_logprobs,
+            echo_only=bool(req.echo) and max_tokens == 0,
+            show_prompt_logprobs=req.prompt_logprobs,
+            return_token_ids=bool(req.return_token_ids),
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        )
 
     async def _completion_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
-        gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
+        gen = Generation(
+            self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival
+        )
         n = plan.params.n
         offsets: dict[int, int] = {}  # per choice: characters of logprob tokens so far (text_offset)
         async with aclosing(_named_errors(gen.events(), plan)) as events:
@@ -134,16 +172,26 @@ class Service:
                         offsets[index] = sum(len(t) for t in out.prompt_logprobs.token_texts)
                 offset = offsets.setdefault(index, 0)
                 if plan.params.logprobs is not None:
-                    generated = _NO_COMPLETION_LOGPROBS if plan.echo_only else \
-                        completion_logprobs(out, offset, plan.tokens_as_ids)
+                    generated = (
+                        _NO_COMPLETION_LOGPROBS
+                        if plan.echo_only
+                        else completion_logprobs(out, offset, plan.tokens_as_ids)
+                    )
                     logprobs = _extend_lists(logprobs, generated)
                     if out.logprobs is not None and not plan.echo_only:
                         offsets[index] = offset + sum(len(t) for t in out.logprobs.token_texts)
                 finish = out.finish_reason.value if out.finish_reason else None
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                          "stop_reason": out.stop_reason if finish else None}
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": out.stop_reason if finish else None,
+                }
                 choice |= _token_fields(plan, p, out, first, in_choice=True)
-                yield _chunk(plan, "text_completion", [choice], self._usage(gen, plan) if plan.continuous_usage else None)
+                yield _chunk(
+                    plan, "text_completion", [choice], self._usage(gen, plan) if plan.continuous_usage else None
+                )
         if plan.include_usage:
             yield _chunk(plan, "text_completion", [], self._usage(gen, plan))
 
@@ -168,9 +216,16 @@ class Service:
                 usage = chunk.get("usage", usage)
                 top |= {key: chunk[key] for key in _RESPONSE_FIELDS if key in chunk}
                 for c in chunk["choices"]:
-                    acc = choices.setdefault(c["index"], {"index": c["index"],
-                                                          "message": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None, "stop_reason": None})
+                    acc = choices.setdefault(
+                        c["index"],
+                        {
+                            "index": c["index"],
+                            "message": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        },
+                    )
                     message = acc["message"]
                     message["content"] += c["delta"].get("content", "")
                     for call in c["delta"].get("tool_calls", ()):
@@ -183,13 +238,23 @@ class Service:
         for acc in choices.values():
             if acc["message"].get("tool_calls") and not acc["message"]["content"]:
                 acc["message"]["content"] = None  # OpenAI: a message of calls only has no content
-        return {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
-                "choices": [choices[i] for i in sorted(choices)], "usage": usage, **top}
+        return {
+            "id": plan.request_id,
+            "object": "chat.completion",
+            "created": plan.created,
+            "model": plan.model,
+            "choices": [choices[i] for i in sorted(choices)],
+            "usage": usage,
+            **top,
+        }
 
     async def _chat_plan(self, req: ChatCompletionRequest, force_usage: bool = False) -> _Plan:
         arrival = time.monotonic()
-        if req.max_tokens is not None and req.max_completion_tokens is not None \
-                and req.max_tokens != req.max_completion_tokens:
+        if (
+            req.max_tokens is not None
+            and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens
+        ):
             raise InvalidRequest("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -205,30 +270,56 @@ class Service:
         forced = forced_call_schema(tools)
         if forced is not None:
             if constraint is not None:
-                raise InvalidRequest(f"tool_choice {tools.mode!r} cannot be combined with {constraint.param}",
-                                     constraint.param)
+                raise InvalidRequest(
+                    f"tool_choice {tools.mode!r} cannot be combined with {constraint.param}", constraint.param
+                )
             constraint = tool_call_constraint(forced, "tools")
-        params = _sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
-                                  constraint=constraint, prompt_logprobs=req.prompt_logprobs)
+        params = _sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=top if req.logprobs else None,
+            constraint=constraint,
+            prompt_logprobs=req.prompt_logprobs,
+        )
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)
         knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
         messages = template_messages(req.messages, tools, knows_tools)
         prompt: str | tuple[int, ...] = render_chat(
-            model, messages, template_tools(tools) if knows_tools else None,
-            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs)
+            model,
+            messages,
+            template_tools(tools) if knows_tools else None,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs,
+        )
         if req.return_token_ids:
             prompt = tuple((await self.tokenizers.get(model)).encode(prompt))
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else None
-        return _Plan(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, (prompt,), params, None,
-                     include, continuous, top, arrival, constraint, tools, show_prompt_logprobs=req.prompt_logprobs,
-                     return_token_ids=bool(req.return_token_ids), tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                     chat_echo=echo)
+        return _Plan(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            req.model,
+            (prompt,),
+            params,
+            None,
+            include,
+            continuous,
+            top,
+            arrival,
+            constraint,
+            tools,
+            show_prompt_logprobs=req.prompt_logprobs,
+            return_token_ids=bool(req.return_token_ids),
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            chat_echo=echo,
+        )
 
     async def _chat_chunks(self, plan: _Plan) -> AsyncIterator[dict[str, Any]]:
-        gen = Generation(self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival)
+        gen = Generation(
+            self.engine, plan.model, plan.prompts, plan.params, plan.request_id, self.metrics, plan.arrival
+        )
         n = plan.params.n
         first = True
         tool_streams: dict[int, ToolCallStream] = {}
@@ -239,19 +330,32 @@ class Service:
                     first = False
                     usage = Usage(gen.usage.prompt_tokens, 0) if plan.continuous_usage else None
                     for i in range(len(plan.prompts) * n):
-                        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None, "stop_reason": None}
+                        role = {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        }
                         chunk = _chunk(plan, "chat.completion.chunk", [role], usage)
                         if i == 0:  # vLLM's response-level fields travel on the first chunk
                             chunk |= _token_fields(plan, p, out, True, in_choice=False)
                         yield chunk
                     if plan.chat_echo:
                         for i in range(len(plan.prompts) * n):
-                            echo = {"index": i, "delta": {"content": plan.chat_echo}, "logprobs": None,
-                                    "finish_reason": None, "stop_reason": None}
+                            echo = {
+                                "index": i,
+                                "delta": {"content": plan.chat_echo},
+                                "logprobs": None,
+                                "finish_reason": None,
+                                "stop_reason": None,
+                            }
                             yield _chunk(plan, "chat.completion.chunk", [echo], usage)
-                logprobs = chat_logprobs(out, plan.top_logprobs, plan.tokens_as_ids) \
-                    if plan.params.logprobs is not None else None
+                logprobs = (
+                    chat_logprobs(out, plan.top_logprobs, plan.tokens_as_ids)
+                    if plan.params.logprobs is not None
+                    else None
+                )
                 finish = out.finish_reason.value if out.finish_reason else None
                 if plan.tools.active:
                     stream = tool_streams.setdefault(index, ToolCallStream(plan.tools))
@@ -262,12 +366,22 @@ class Service:
                     deltas = [{"content": out.text_delta}]
                 usage = gen.usage if plan.continuous_usage else None
                 for delta in deltas[:-1]:
-                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None,
-                              "stop_reason": None}
+                    choice = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
                     yield _chunk(plan, "chat.completion.chunk", [choice], usage)
                 if deltas or logprobs is not None or finish or plan.return_token_ids:
-                    choice = {"index": index, "delta": deltas[-1] if deltas else {}, "logprobs": logprobs,
-                              "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
+                    choice = {
+                        "index": index,
+                        "delta": deltas[-1] if deltas else {},
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                        "stop_reason": out.stop_reason if finish else None,
+                    }
                     choice |= _token_fields(plan, 0, out, False, in_choice=True)
                     yield _chunk(plan, "chat.completion.chunk", [choice], usage)
         if plan.include_usage:
@@ -277,8 +391,9 @@ class Service:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-async def _named_errors(events: AsyncIterator[tuple[int, StepOutput]], plan: _Plan
-                        ) -> AsyncIterator[tuple[int, StepOutput]]:
+async def _named_errors(
+    events: AsyncIterator[tuple[int, StepOutput]], plan: _Plan
+) -> AsyncIterator[tuple[int, StepOutput]]:
     """The engine's events; an engine refusal of the constraint names the user's field (constraints.py)."""
     try:
         async with aclosing(events):
@@ -325,8 +440,13 @@ async def _primed(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[s
 
 
 def _chunk(plan: _Plan, obj: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": plan.request_id, "object": obj, "created": plan.created, "model": plan.model,
-                             "choices": choices}
+    chunk: dict[str, Any] = {
+        "id": plan.request_id,
+        "object": obj,
+        "created": plan.created,
+        "model": plan.model,
+        "choices": choices,
+    }
     if usage is not None:
         chunk["usage"] = usage.to_dict()
     return chunk
@@ -358,16 +478,34 @@ def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return tuple(out)
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     constraint: Constraint | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    kwargs: dict[str, Any] = {"n": 1 if req.n is None else req.n, "max_tokens": max_tokens, "logprobs": logprobs,
-                              "prompt_logprobs": prompt_logprobs,
-                              "structured_outputs": constraint.spec if constraint else None,
-                              "ignore_eos": bool(req.ignore_eos),
-                              "include_stop_str_in_output": bool(req.include_stop_str_in_output),
-                              "skip_special_tokens": req.skip_special_tokens is not False}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens"):
+def _sampling_params(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    constraint: Constraint | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    kwargs: dict[str, Any] = {
+        "n": 1 if req.n is None else req.n,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "structured_outputs": constraint.spec if constraint else None,
+        "ignore_eos": bool(req.ignore_eos),
+        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
+        "skip_special_tokens": req.skip_special_tokens is not False,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+    ):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
@@ -386,8 +524,12 @@ def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int 
         raise InvalidRequest(e.message, e.param) from None
 
 
-_NO_COMPLETION_LOGPROBS: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                  "text_offset": []}
+_NO_COMPLETION_LOGPROBS: dict[str, list[Any]] = {
+    "tokens": [],
+    "token_logprobs": [],
+    "top_logprobs": [],
+    "text_offset": [],
+}
 _RESPONSE_FIELDS = ("prompt_token_ids", "prompt_logprobs")
 
 
@@ -421,4 +563,3 @@ def _extend_lists(acc: dict[str, list[Any]] | None, new: dict[str, list[Any]]) -
     for key, values in new.items():
         acc[key].extend(values)
     return acc
-

@@ -44,33 +44,74 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP frontend (FastAPI) for the LLM served by Triton over gRPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--triton-url", action="append", default=None, dest="triton_urls", metavar="HOST:PORT",
-                        help="a Triton gRPC endpoint (default localhost:8001); repeat it for several servers, or give "
-                             "a name that resolves to several addresses (a Kubernetes headless Service)")
+    parser.add_argument(
+        "--triton-url",
+        action="append",
+        default=None,
+        dest="triton_urls",
+        metavar="HOST:PORT",
+        help="a Triton gRPC endpoint (default localhost:8001); repeat it for several servers, or give "
+        "a name that resolves to several addresses (a Kubernetes headless Service)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
-    parser.add_argument("--port", type=int, default=int(env_port) if env_port else 9000,
-                        help="HTTP port (the environment variable FRONTEND_PORT, when set, replaces the default 9000)")
-    parser.add_argument("--default-max-tokens", type=int, default=16,
-                        help="max_tokens of /v1/completions requests that give none (OpenAI's default is 16)")
-    parser.add_argument("--chat-default-max-tokens", type=int, default=None,
-                        help="max_tokens of /v1/chat/completions requests that give none; unset: up to the context window")
-    parser.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
-                        help="allow cross-origin requests from ORIGIN (repeatable; '*' allows any)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1/* (default from FRONTEND_API_KEY; "
-                             "unset: no authentication)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="the tokenizer for /tokenize, /detokenize, /tokenizer_info, echo and return_token_ids: "
-                             "'smollm2', a .gguf file or a Hugging Face folder; unset: the served model's own "
-                             "(the `model` parameter of its Triton config), which must then be on this machine")
-    parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                        help="largest request body accepted; a larger one gets a 413 before it is read (the default, "
-                             "8 MiB, holds a prompt filling the context window many times over)")
-    parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                        help="on SIGTERM: readiness and new requests get 503 at once, open requests run on for up to "
-                             "this long, then end with an error event")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn log level")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env_port) if env_port else 9000,
+        help="HTTP port (the environment variable FRONTEND_PORT, when set, replaces the default 9000)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="max_tokens of /v1/completions requests that give none (OpenAI's default is 16)",
+    )
+    parser.add_argument(
+        "--chat-default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of /v1/chat/completions requests that give none; unset: up to the context window",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        dest="cors_origins",
+        metavar="ORIGIN",
+        help="allow cross-origin requests from ORIGIN (repeatable; '*' allows any)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* (default from FRONTEND_API_KEY; unset: no authentication)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer for /tokenize, /detokenize, /tokenizer_info, echo and return_token_ids: "
+        "'smollm2', a .gguf file or a Hugging Face folder; unset: the served model's own "
+        "(the `model` parameter of its Triton config), which must then be on this machine",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body accepted; a larger one gets a 413 before it is read (the default, "
+        "8 MiB, holds a prompt filling the context window many times over)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: readiness and new requests get 503 at once, open requests run on for up to "
+        "this long, then end with an error event",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
     return parser
 
 
@@ -78,10 +119,18 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return Settings(triton_urls=tuple(args.triton_urls or ["localhost:8001"]), host=args.host, port=args.port,
-                        default_max_tokens=args.default_max_tokens, chat_default_max_tokens=args.chat_default_max_tokens,
-                        cors_origins=tuple(args.cors_origins), api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None, log_level=args.log_level,
-                        tokenizer=args.tokenizer, max_request_bytes=args.max_request_bytes,
-                        shutdown_grace_s=args.shutdown_grace_s)
+        return Settings(
+            triton_urls=tuple(args.triton_urls or ["localhost:8001"]),
+            host=args.host,
+            port=args.port,
+            default_max_tokens=args.default_max_tokens,
+            chat_default_max_tokens=args.chat_default_max_tokens,
+            cors_origins=tuple(args.cors_origins),
+            api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None,
+            log_level=args.log_level,
+            tokenizer=args.tokenizer,
+            max_request_bytes=args.max_request_bytes,
+            shutdown_grace_s=args.shutdown_grace_s,
+        )
     except ValueError as e:
         parser.error(str(e))

@@ -31,8 +31,9 @@ class Drain:
 
     async def run(self) -> None:
         self.draining = True
-        log.warning("shutting down: %d requests open, waiting up to %g s for them", self.metrics.in_flight,
-                    self.grace_s)
+        log.warning(
+            "shutting down: %d requests open, waiting up to %g s for them", self.metrics.in_flight, self.grace_s
+        )
         deadline = time.monotonic() + self.grace_s
         while self.metrics.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

@@ -26,23 +26,33 @@ class TokenizerAPI:
         if isinstance(req, TokenizeChatRequest):
             plan = ToolPlan("auto", tuple(req.tools)) if req.tools else ToolPlan("none")
             knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
-            text = render_chat(model, template_messages(req.messages, plan, knows_tools),
-                               template_tools(plan) if knows_tools else None,
-                               add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message,
-                               template_kwargs=req.chat_template_kwargs)
+            text = render_chat(
+                model,
+                template_messages(req.messages, plan, knows_tools),
+                template_tools(plan) if knows_tools else None,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
+            )
         else:
             text = req.prompt
         tokens = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens,
-                "token_strs": [tokenizer.token_text(t) for t in tokens] if req.return_token_strs else None}
+        return {
+            "count": len(tokens),
+            "max_model_len": model.max_model_len,
+            "tokens": tokens,
+            "token_strs": [tokenizer.token_text(t) for t in tokens] if req.return_token_strs else None,
+        }
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         _, tokenizer = await self._model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size}: "
-                                 f"ids 0..{tokenizer.vocab_size - 1})", "tokens")
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size}: "
+                f"ids 0..{tokenizer.vocab_size - 1})",
+                "tokens",
+            )
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def tokenizer_info(self, model_name: str | None) -> dict[str, Any]:

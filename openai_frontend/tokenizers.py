@@ -29,13 +29,16 @@ class Tokenizers:
     async def get(self, model: ModelInfo) -> Tokenizer:
         source = self.override or model.tokenizer_source
         if not source:
-            raise TokenizerUnavailable(f"the frontend has no tokenizer for model `{model.name}`: start it with "
-                                       "--tokenizer (the model's tokenizer source)")
+            raise TokenizerUnavailable(
+                f"the frontend has no tokenizer for model `{model.name}`: start it with "
+                "--tokenizer (the model's tokenizer source)"
+            )
         task = self._loaded.get(source)
         if task is None or (task.done() and task.exception() is not None):
             task = self._loaded[source] = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, source))
         try:
             return await asyncio.shield(task)
         except (OSError, ValueError) as e:
-            raise TokenizerUnavailable(f"cannot load the tokenizer of model `{model.name}` from {source!r}: {e}") \
-                from None
+            raise TokenizerUnavailable(
+                f"cannot load the tokenizer of model `{model.name}` from {source!r}: {e}"
+            ) from None

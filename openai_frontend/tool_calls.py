@@ -83,11 +83,19 @@ def forced_call_schema(plan: ToolPlan) -> dict[str, Any] | None:
         return _parameters(tool)
     if plan.mode != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t.function.name]}, "arguments": _parameters(t)},
-              "required": ["name", "arguments"]} for t in plan.tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "arguments": _parameters(t)},
+            "required": ["name", "arguments"],
+        }
+        for t in plan.tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    }
     if not plan.parallel:
         schema["maxItems"] = 1
     return schema
@@ -110,14 +118,23 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan, template_know
             msg["name"] = m.name
         if template_knows_tools:
             if m.tool_calls:
-                msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
-                                     for c in m.tool_calls]
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)},
+                    }
+                    for c in m.tool_calls
+                ]
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
         elif m.tool_calls:
-            calls = ",\n".join(json.dumps({"name": c.function.name, "arguments": _arguments_value(c.function.arguments)},
-                                           ensure_ascii=False) for c in m.tool_calls)
+            calls = ",\n".join(
+                json.dumps(
+                    {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}, ensure_ascii=False
+                )
+                for c in m.tool_calls
+            )
             msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + f"{CALL_OPEN}[\n{calls}\n]{CALL_CLOSE}"
         elif role == "tool":
             msg = {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
@@ -177,9 +194,9 @@ def parse_tagged_calls(text: str) -> list[ParsedCall] | None:
     calls: list[ParsedCall] = []
     rest = text
     while (start := rest.find(CALL_OPEN)) >= 0:
-        rest = rest[start + len(CALL_OPEN):]
+        rest = rest[start + len(CALL_OPEN) :]
         end = rest.find(CALL_CLOSE)
-        block, rest = (rest, "") if end < 0 else (rest[:end], rest[end + len(CALL_CLOSE):])
+        block, rest = (rest, "") if end < 0 else (rest[:end], rest[end + len(CALL_CLOSE) :])
         parsed = parse_call_list(block.strip())
         if parsed is None:
             return None
@@ -209,8 +226,18 @@ class ToolCallStream:
             deltas = []
             if not self._started_named:
                 self._started_named, self.called = True, True
-                deltas.append({"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
-                                               "function": {"name": self.plan.named, "arguments": ""}}]})
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": new_call_id(),
+                                "type": "function",
+                                "function": {"name": self.plan.named, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             if text_delta:
                 deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text_delta}}]})
             return deltas
@@ -225,7 +252,7 @@ class ToolCallStream:
     def finish(self) -> list[dict[str, Any]]:
         if self.plan.mode == "named":
             return self.feed("") if not self._started_named else []
-        held = self._text[self._released:]
+        held = self._text[self._released :]
         calls = parse_call_list(held) if self.plan.mode == "required" else parse_tagged_calls(held)
         if not calls:
             return self._release(len(self._text))
@@ -235,14 +262,23 @@ class ToolCallStream:
         self.called = True
         deltas: list[dict[str, Any]] = []
         for i, call in enumerate(calls):
-            deltas.append({"tool_calls": [{"index": i, "id": new_call_id(), "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": new_call_id(),
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
             deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         return deltas
 
     def _release(self, limit: int) -> list[dict[str, Any]]:
         if limit <= self._released:
             return []
-        text, self._released = self._text[self._released:limit], limit
+        text, self._released = self._text[self._released : limit], limit
         return [{"content": text}]
-

@@ -18,6 +18,7 @@ Cancelling the gRPC call (on client disconnect) makes Triton cancel the request,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -49,7 +50,9 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 # -- requests -----------------------------------------------------------------------------------
 
 
-def build_request(model: str, prompt: str | list[int], params: SamplingParams, request_id: str) -> service_pb2.ModelInferRequest:
+def build_request(
+    model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+) -> service_pb2.ModelInferRequest:
     """The ModelInferRequest of the wire contract: text_input or input_ids, plus sampling_params."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     if isinstance(prompt, str):
@@ -146,8 +149,15 @@ class _Stream:
 class TritonEngineClient:
     """EngineClient for a Triton server at `url` (host:port of its gRPC endpoint)."""
 
-    def __init__(self, url: str, *, config_ttl_s: float = 10.0, control_timeout_s: float = 5.0,
-                 probe_interval_s: float = 1.0, probe_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        config_ttl_s: float = 10.0,
+        control_timeout_s: float = 5.0,
+        probe_interval_s: float = 1.0,
+        probe_timeout_s: float = 5.0,
+    ) -> None:
         self.url = url
         self._config_ttl_s = config_ttl_s
         self._timeout = control_timeout_s
@@ -168,10 +178,8 @@ class TritonEngineClient:
         await self.watchdog.close()
         if self._client is not None:
             client, self._client = self._client, None
-            try:
-                await asyncio.wait_for(client.close(), 5)  # bounded: closing never holds a shutdown
-            except asyncio.TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):  # bounded: closing never holds a shutdown
+                await asyncio.wait_for(client.close(), 5)
 
     async def ready(self) -> bool:
         try:
@@ -238,8 +246,11 @@ class TritonEngineClient:
                     if "unexpected inference input" in response.error_message:
                         raise ProbesUnsupported(response.error_message)
                     raise from_engine_message(response.error_message)
-                health = InferResult(response.infer_response).as_numpy("health") \
-                    if len(response.infer_response.outputs) else None
+                health = (
+                    InferResult(response.infer_response).as_numpy("health")
+                    if len(response.infer_response.outputs)
+                    else None
+                )
                 if health is not None:
                     return str(json.loads(health.reshape(-1)[0])["instance"])
                 if is_final(response.infer_response):
@@ -292,4 +303,3 @@ class TritonEngineClient:
             # Not complete: the HTTP client went away (CancelledError / aclose) or the stream broke;
             # cancelling the call cancels the Triton request so the engine frees its blocks.
             stream.end(cancel=not complete)
-

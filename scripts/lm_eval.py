@@ -103,17 +103,41 @@ def lm_eval_binary() -> Path:
 
 def ensure_venv() -> None:
     """Create `.tools/lm-eval` and install the pinned lm-eval, again only when the pins change."""
-    ensure_pinned_venv(LM_EVAL_VENV, LM_EVAL_REQUIREMENTS, LM_EVAL_VENV / "requirements.txt", lm_eval_binary(),
-                       "lm-eval 0.4.13 into .tools/lm-eval (about 800 MB, once)",
-                       pip_env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
+    ensure_pinned_venv(
+        LM_EVAL_VENV,
+        LM_EVAL_REQUIREMENTS,
+        LM_EVAL_VENV / "requirements.txt",
+        lm_eval_binary(),
+        "lm-eval 0.4.13 into .tools/lm-eval (about 800 MB, once)",
+        pip_env={**os.environ, "PIP_CONFIG_FILE": os.devnull},
+    )
 
 
-def command(base_url: str, model: str, tasks: list[str], output_path: Path, *, include_path: Path | None = None,
-            limit: int | None = None, num_concurrent: int = 1, extra: list[str] | None = None) -> list[str]:
+def command(
+    base_url: str,
+    model: str,
+    tasks: list[str],
+    output_path: Path,
+    *,
+    include_path: Path | None = None,
+    limit: int | None = None,
+    num_concurrent: int = 1,
+    extra: list[str] | None = None,
+) -> list[str]:
     """The lm-eval command line; base_url is the frontend's root (http://host:port)."""
-    args = [str(lm_eval_binary()), "run", "--model", "local-completions",
-            "--model_args", f"model={model},base_url={base_url}/v1/completions,num_concurrent={num_concurrent}",
-            "--tasks", ",".join(tasks), "--output_path", str(output_path), "--log_samples"]
+    args = [
+        str(lm_eval_binary()),
+        "run",
+        "--model",
+        "local-completions",
+        "--model_args",
+        f"model={model},base_url={base_url}/v1/completions,num_concurrent={num_concurrent}",
+        "--tasks",
+        ",".join(tasks),
+        "--output_path",
+        str(output_path),
+        "--log_samples",
+    ]
     if include_path is not None:
         args += ["--include_path", str(include_path)]
     if limit is not None:
@@ -128,13 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="at most this many documents per task")
     parser.add_argument("--num-concurrent", type=int, default=4, help="requests in flight")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('FRONTEND_PORT', '9000')}",
-                        help="the OpenAI frontend")
+    parser.add_argument(
+        "--url", default=f"http://127.0.0.1:{os.environ.get('FRONTEND_PORT', '9000')}", help="the OpenAI frontend"
+    )
     parser.add_argument("--output-path", type=Path, default=REPO_ROOT / "artifacts" / "lm-eval")
     args, extra = parser.parse_known_args(argv)
     ensure_venv()
-    cmd = command(args.url, args.model, args.tasks.split(","), args.output_path, include_path=args.include_path,
-                  limit=args.limit, num_concurrent=args.num_concurrent, extra=[a for a in extra if a != "--"])
+    cmd = command(
+        args.url,
+        args.model,
+        args.tasks.split(","),
+        args.output_path,
+        include_path=args.include_path,
+        limit=args.limit,
+        num_concurrent=args.num_concurrent,
+        extra=[a for a in extra if a != "--"],
+    )
     log(" ".join(cmd))
     return subprocess.run(cmd, check=False).returncode
 

@@ -149,20 +149,35 @@ def perf_analyzer_binary() -> Path:
 
 
 def _tools_site_packages() -> Path:
-    out = subprocess.run([str(_tools_python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [str(_tools_python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return Path(out.stdout.strip())
 
 
 def ensure_tools_venv() -> None:
     """Create `.tools/venv` and install the pinned tools, again only when the pins change."""
-    ensure_pinned_venv(TOOLS_VENV, TOOLS_REQUIREMENTS, TOOLS / "requirements.txt", perf_analyzer_binary(),
-                       "tritonclient 2.50.0 (perf_analyzer), genai-perf 0.0.16, nvidia-cuda-runtime-cu12 "
-                       "into .tools/venv (about 1 GB, once)")
+    ensure_pinned_venv(
+        TOOLS_VENV,
+        TOOLS_REQUIREMENTS,
+        TOOLS / "requirements.txt",
+        perf_analyzer_binary(),
+        "tritonclient 2.50.0 (perf_analyzer), genai-perf 0.0.16, nvidia-cuda-runtime-cu12 "
+        "into .tools/venv (about 1 GB, once)",
+    )
 
 
-def ensure_pinned_venv(venv: Path, requirements: str, requirements_file: Path, binary: Path, what: str,
-                       pip_env: dict[str, str] | None = None) -> None:
+def ensure_pinned_venv(
+    venv: Path,
+    requirements: str,
+    requirements_file: Path,
+    binary: Path,
+    what: str,
+    pip_env: dict[str, str] | None = None,
+) -> None:
     """A venv of the base interpreter holding exactly `requirements`; (re)installed only when the pins
     change (a stamp named by their hash) or `binary` is missing."""
     digest = hashlib.sha256(requirements.encode()).hexdigest()[:16]
@@ -178,8 +193,11 @@ def ensure_pinned_venv(venv: Path, requirements: str, requirements_file: Path, b
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
     requirements_file.write_text(requirements)
     log(f"installing {what}")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "-r", str(requirements_file)], check=True, env=pip_env)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(requirements_file)],
+        check=True,
+        env=pip_env,
+    )
     for old in venv.glob(".installed-*"):
         old.unlink()
     stamp.touch()
@@ -187,8 +205,10 @@ def ensure_pinned_venv(venv: Path, requirements: str, requirements_file: Path, b
 
 def _find_pytriton_libb64() -> Path | None:
     """The copy of libb64 inside the nvidia-pytriton wheel (installed in the project's venv)."""
-    folders = [Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs",
-               *(REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages/nvidia_pytriton.libs")]
+    folders = [
+        Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs",
+        *(REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages/nvidia_pytriton.libs"),
+    ]
     for folder in folders:
         found = sorted(folder.glob("libb64*.so.0d")) if folder.is_dir() else []
         if found:
@@ -264,8 +284,9 @@ def ensure_tokenizer() -> Path:
 def install(tokenizer: bool = True) -> None:
     ensure_tools_venv()
     ensure_libb64()
-    result = subprocess.run([str(perf_analyzer_binary()), "--version"], env=tools_env(),
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [str(perf_analyzer_binary()), "--version"], env=tools_env(), capture_output=True, text=True, check=False
+    )
     if result.returncode != 0 or "Perf Analyzer" not in result.stdout + result.stderr:
         raise ToolError(f"perf_analyzer does not start:\n{result.stdout}{result.stderr}")
     if tokenizer:
@@ -289,9 +310,11 @@ def check_triton(url: str, model: str) -> None:
     try:
         client = grpcclient.InferenceServerClient(url)
         ready = client.is_server_ready(client_timeout=5) and client.is_model_ready(model, client_timeout=5)
-    except Exception as e:  # noqa: BLE001 (any transport error means: not there)
-        raise ServerNotRunning(f"no Triton server at {url} ({type(e).__name__}): start it with `make serve` "
-                               "(in another terminal) and run this again") from None
+    except Exception as e:
+        raise ServerNotRunning(
+            f"no Triton server at {url} ({type(e).__name__}): start it with `make serve` "
+            "(in another terminal) and run this again"
+        ) from None
     if not ready:
         raise ServerNotRunning(f"Triton at {url} is not ready or has no model {model!r}: start it with `make serve`")
 
@@ -302,8 +325,9 @@ def check_frontend(url: str) -> None:
             if response.status == 200:
                 return
     except OSError as e:
-        raise ServerNotRunning(f"no OpenAI frontend at {url} ({e}): start it with `make serve` "
-                               "(in another terminal) and run this again") from None
+        raise ServerNotRunning(
+            f"no OpenAI frontend at {url} ({e}): start it with `make serve` (in another terminal) and run this again"
+        ) from None
     raise ServerNotRunning(f"the OpenAI frontend at {url} is not ready: start it with `make serve`")
 
 
@@ -345,16 +369,21 @@ def summarize_pa_export(path: Path) -> list[dict]:
                 itl.append((ts[-1] - ts[0]) / 1e6 / (n - 1))
             start, end = min(start, r["timestamp"]), max(end, ts[-1])
         span = (end - start) / 1e9 if tokens else float("nan")
-        rows.append({
-            "concurrency": exp["experiment"]["value"],
-            "requests": len(tokens),
-            "request_throughput": len(tokens) / span,
-            "output_token_throughput": sum(tokens) / span,
-            "output_tokens_mean": sum(tokens) / max(len(tokens), 1),
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p95": percentile(ttft, 95),
-            "itl_ms_p50": percentile(itl, 50), "itl_ms_p95": percentile(itl, 95),
-            "latency_ms_p50": percentile(latency, 50), "latency_ms_p95": percentile(latency, 95),
-        })
+        rows.append(
+            {
+                "concurrency": exp["experiment"]["value"],
+                "requests": len(tokens),
+                "request_throughput": len(tokens) / span,
+                "output_token_throughput": sum(tokens) / span,
+                "output_tokens_mean": sum(tokens) / max(len(tokens), 1),
+                "ttft_ms_p50": percentile(ttft, 50),
+                "ttft_ms_p95": percentile(ttft, 95),
+                "itl_ms_p50": percentile(itl, 50),
+                "itl_ms_p95": percentile(itl, 95),
+                "latency_ms_p50": percentile(latency, 50),
+                "latency_ms_p95": percentile(latency, 95),
+            }
+        )
     return rows
 
 
@@ -362,8 +391,9 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]
     """columns: (key, header, format)."""
     print(f"\n{title}")
     headers = [h for _, h, _ in columns]
-    cells = [[format(row[k], f) if isinstance(row[k], (int, float)) else str(row[k]) for k, _, f in columns]
-             for row in rows]
+    cells = [
+        [format(row[k], f) if isinstance(row[k], (int, float)) else str(row[k]) for k, _, f in columns] for row in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
     print("| " + " | ".join(h.rjust(w) for h, w in zip(headers, widths)) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
@@ -373,22 +403,47 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]
 
 
 PERF_COLUMNS = [
-    ("concurrency", "concurrency", "d"), ("requests", "requests", "d"),
-    ("request_throughput", "req/s", ".3f"), ("output_token_throughput", "output tok/s", ".1f"),
-    ("ttft_ms_p50", "TTFT p50 ms", ".0f"), ("ttft_ms_p95", "TTFT p95 ms", ".0f"),
-    ("itl_ms_p50", "ITL p50 ms", ".1f"), ("itl_ms_p95", "ITL p95 ms", ".1f"),
-    ("latency_ms_p50", "latency p50 ms", ".0f"), ("latency_ms_p95", "latency p95 ms", ".0f"),
+    ("concurrency", "concurrency", "d"),
+    ("requests", "requests", "d"),
+    ("request_throughput", "req/s", ".3f"),
+    ("output_token_throughput", "output tok/s", ".1f"),
+    ("ttft_ms_p50", "TTFT p50 ms", ".0f"),
+    ("ttft_ms_p95", "TTFT p95 ms", ".0f"),
+    ("itl_ms_p50", "ITL p50 ms", ".1f"),
+    ("itl_ms_p95", "ITL p95 ms", ".1f"),
+    ("latency_ms_p50", "latency p50 ms", ".0f"),
+    ("latency_ms_p95", "latency p95 ms", ".0f"),
 ]
 
 
 # ------------------------------------------------------------------------------------------ perf
 
 
-def perf_analyzer_command(model: str, url: str, concurrency: int, requests: int, input_data: Path,
-                          export: Path | None = None, csv: Path | None = None) -> list[str]:
-    cmd = [str(perf_analyzer_binary()), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-           "--input-data", str(input_data), "--concurrency-range", str(concurrency),
-           "--request-count", str(requests)]
+def perf_analyzer_command(
+    model: str,
+    url: str,
+    concurrency: int,
+    requests: int,
+    input_data: Path,
+    export: Path | None = None,
+    csv: Path | None = None,
+) -> list[str]:
+    cmd = [
+        str(perf_analyzer_binary()),
+        "-m",
+        model,
+        "-u",
+        url,
+        "-i",
+        "grpc",
+        "--streaming",
+        "--input-data",
+        str(input_data),
+        "--concurrency-range",
+        str(concurrency),
+        "--request-count",
+        str(requests),
+    ]
     if export is not None:
         cmd += ["--profile-export-file", str(export)]
     if csv is not None:
@@ -418,8 +473,13 @@ def run_perf(args: argparse.Namespace) -> dict:
             raise ToolError(f"perf_analyzer failed at concurrency {c}")
         rows.extend(summarize_pa_export(export))
     print_table(f"perf_analyzer --streaming, gRPC {url}, model {args.model}, {args.input_data}:", rows, PERF_COLUMNS)
-    summary = {"tool": "perf_analyzer", "url": url, "model": args.model, "input_data": str(args.input_data),
-               "results": rows}
+    summary = {
+        "tool": "perf_analyzer",
+        "url": url,
+        "model": args.model,
+        "input_data": str(args.input_data),
+        "results": rows,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -427,18 +487,48 @@ def run_perf(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------------------ genai-perf
 
 
-def genai_perf_command(model: str, url: str, endpoint_type: str, concurrency: int, requests: int,
-                       input_tokens: int, output_tokens: int, tokenizer: Path, artifact_dir: Path,
-                       seed: int = 0) -> list[str]:
+def genai_perf_command(
+    model: str,
+    url: str,
+    endpoint_type: str,
+    concurrency: int,
+    requests: int,
+    input_tokens: int,
+    output_tokens: int,
+    tokenizer: Path,
+    artifact_dir: Path,
+    seed: int = 0,
+) -> list[str]:
     return [
-        str(TOOLS_VENV / "bin" / "genai-perf"), "profile", "-m", model,
-        "--endpoint-type", endpoint_type, "--streaming", "--url", url.removeprefix("http://"),
-        "--concurrency", str(concurrency), "--request-count", str(requests),
-        "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
-        "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
-        "--extra-inputs", "ignore_eos:true",
-        "--tokenizer", str(tokenizer), "--random-seed", str(seed),
-        "--artifact-dir", str(artifact_dir),
+        str(TOOLS_VENV / "bin" / "genai-perf"),
+        "profile",
+        "-m",
+        model,
+        "--endpoint-type",
+        endpoint_type,
+        "--streaming",
+        "--url",
+        url.removeprefix("http://"),
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(requests),
+        "--synthetic-input-tokens-mean",
+        str(input_tokens),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(output_tokens),
+        "--output-tokens-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--tokenizer",
+        str(tokenizer),
+        "--random-seed",
+        str(seed),
+        "--artifact-dir",
+        str(artifact_dir),
     ]
 
 
@@ -463,18 +553,27 @@ def read_genai_perf_export(artifact_dir: Path) -> dict:
         "output_token_throughput": get("output_token_throughput"),
         "output_tokens_mean": get("output_sequence_length"),
         "input_tokens_mean": get("input_sequence_length"),
-        "ttft_ms_p50": get("time_to_first_token", "p50"), "ttft_ms_p95": get("time_to_first_token", "p95"),
-        "itl_ms_p50": get("inter_token_latency", "p50"), "itl_ms_p95": get("inter_token_latency", "p95"),
-        "latency_ms_p50": get("request_latency", "p50"), "latency_ms_p95": get("request_latency", "p95"),
+        "ttft_ms_p50": get("time_to_first_token", "p50"),
+        "ttft_ms_p95": get("time_to_first_token", "p95"),
+        "itl_ms_p50": get("inter_token_latency", "p50"),
+        "itl_ms_p95": get("inter_token_latency", "p95"),
+        "latency_ms_p50": get("request_latency", "p50"),
+        "latency_ms_p95": get("request_latency", "p95"),
     }
 
 
 GENAI_COLUMNS = [
-    ("endpoint", "endpoint", "s"), ("concurrency", "concurrency", "d"), ("requests", "requests", "d"),
-    ("input_tokens_mean", "ISL", ".0f"), ("output_tokens_mean", "OSL", ".1f"),
-    ("request_throughput", "req/s", ".3f"), ("output_token_throughput", "output tok/s", ".1f"),
-    ("ttft_ms_p50", "TTFT p50 ms", ".0f"), ("ttft_ms_p95", "TTFT p95 ms", ".0f"),
-    ("itl_ms_p50", "ITL p50 ms", ".1f"), ("itl_ms_p95", "ITL p95 ms", ".1f"),
+    ("endpoint", "endpoint", "s"),
+    ("concurrency", "concurrency", "d"),
+    ("requests", "requests", "d"),
+    ("input_tokens_mean", "ISL", ".0f"),
+    ("output_tokens_mean", "OSL", ".1f"),
+    ("request_throughput", "req/s", ".3f"),
+    ("output_token_throughput", "output tok/s", ".1f"),
+    ("ttft_ms_p50", "TTFT p50 ms", ".0f"),
+    ("ttft_ms_p95", "TTFT p95 ms", ".0f"),
+    ("itl_ms_p50", "ITL p50 ms", ".1f"),
+    ("itl_ms_p95", "ITL p95 ms", ".1f"),
     ("latency_ms_p50", "latency p50 ms", ".0f"),
 ]
 
@@ -498,19 +597,40 @@ def run_genai_perf(args: argparse.Namespace) -> dict:
             artifact_dir = out / f"{endpoint}-c{c}"
             shutil.rmtree(artifact_dir, ignore_errors=True)
             run_seed = seed + len(rows)
-            cmd = genai_perf_command(args.model, url, endpoint, c, n, args.input_tokens, args.output_tokens,
-                                     TOKENIZER_DIR, artifact_dir, run_seed)
+            cmd = genai_perf_command(
+                args.model,
+                url,
+                endpoint,
+                c,
+                n,
+                args.input_tokens,
+                args.output_tokens,
+                TOKENIZER_DIR,
+                artifact_dir,
+                run_seed,
+            )
             print(f"\n$ {' '.join(cmd)}", flush=True)
             # cwd: genai-perf may leave files where it runs; keep them under artifacts/.
             if subprocess.run(cmd, env=env, cwd=out, check=False).returncode != 0:
                 raise ToolError(f"genai-perf failed ({endpoint}, concurrency {c})")
-            rows.append({"endpoint": endpoint, "concurrency": c, "seed": run_seed,
-                         **read_genai_perf_export(artifact_dir)})
-    print_table(f"genai-perf profile, {url}, model {args.model}, ISL {args.input_tokens}, "
-                f"max_tokens {args.output_tokens} with ignore_eos (OSL: genai-perf's own count, see "
-                "docs/benchmarking.md):", rows, GENAI_COLUMNS)
-    summary = {"tool": "genai-perf", "url": url, "model": args.model, "input_tokens": args.input_tokens,
-               "max_tokens": args.output_tokens, "results": rows}
+            rows.append(
+                {"endpoint": endpoint, "concurrency": c, "seed": run_seed, **read_genai_perf_export(artifact_dir)}
+            )
+    print_table(
+        f"genai-perf profile, {url}, model {args.model}, ISL {args.input_tokens}, "
+        f"max_tokens {args.output_tokens} with ignore_eos (OSL: genai-perf's own count, see "
+        "docs/benchmarking.md):",
+        rows,
+        GENAI_COLUMNS,
+    )
+    summary = {
+        "tool": "genai-perf",
+        "url": url,
+        "model": args.model,
+        "input_tokens": args.input_tokens,
+        "max_tokens": args.output_tokens,
+        "results": rows,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -519,8 +639,9 @@ def run_genai_perf(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.perf_tools", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.perf_tools", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("install", help="install perf_analyzer, genai-perf and the tokenizer into .tools/")
 

@@ -32,10 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs = REPO_ROOT / "artifacts" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    triton = TritonServer(http_port=_port("TRITON_HTTP_PORT", 8000), grpc_port=_port("TRITON_GRPC_PORT", 8001),
-                          metrics_port=_port("TRITON_METRICS_PORT", 8002),
-                          address=os.environ.get("TRITON_ADDRESS", "127.0.0.1"))
-    frontend = Frontend(triton.grpc_url, port=_port("FRONTEND_PORT", 9000), host=os.environ.get("FRONTEND_HOST", "127.0.0.1"))
+    triton = TritonServer(
+        http_port=_port("TRITON_HTTP_PORT", 8000),
+        grpc_port=_port("TRITON_GRPC_PORT", 8001),
+        metrics_port=_port("TRITON_METRICS_PORT", 8002),
+        address=os.environ.get("TRITON_ADDRESS", "127.0.0.1"),
+    )
+    frontend = Frontend(
+        triton.grpc_url, port=_port("FRONTEND_PORT", 9000), host=os.environ.get("FRONTEND_HOST", "127.0.0.1")
+    )
     stopping = False
 
     def stop(*_: object) -> None:
@@ -64,12 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         stop()
         return 1
     if only_triton:
-        print(f"Triton ready: gRPC {triton.grpc_port}, HTTP {triton.http_port}, metrics {triton.metrics_port}", flush=True)
+        print(
+            f"Triton ready: gRPC {triton.grpc_port}, HTTP {triton.http_port}, metrics {triton.metrics_port}", flush=True
+        )
         return _wait(lambda: stopping, [triton], stop)
     print(f"\nOpenAI API: {frontend.url}/v1   (model: {DEFAULT_MODEL})", flush=True)
     print(f"Triton: gRPC {triton.grpc_url}, HTTP http://127.0.0.1:{triton.http_port}, metrics {triton.metrics_url}")
-    print(f"Try: curl -N {frontend.url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\":\"{DEFAULT_MODEL}\",\"prompt\":\"The capital of France is\",\"max_tokens\":16,\"stream\":true}}'")
+    print(
+        f"Try: curl -N {frontend.url}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model":"{DEFAULT_MODEL}","prompt":"The capital of France is","max_tokens":16,"stream":true}}\''
+    )
     print("Ctrl-C stops both.", flush=True)
     return _wait(lambda: stopping, [triton, frontend], stop)
 

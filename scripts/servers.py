@@ -8,6 +8,7 @@ three run the servers the same way. The tritonserver binary and the Python backe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,8 +95,9 @@ class _Process:
         self.log_path = log_path
         out = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed by the child's exit)
         # A new session, so Ctrl-C in `make serve` reaches us first and we stop children in order.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, cwd=REPO_ROOT)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, cwd=REPO_ROOT
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         if self.log_path and self.log_path.exists():
@@ -124,10 +126,8 @@ class _Process:
                 self.proc.wait(5)
         # Children (tritonserver's Python-backend stubs) share the process group we started; one
         # left behind by a server that died hard would keep its engine and memory.
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def stub_processes(parent_pid: int) -> dict[int, str]:
@@ -198,9 +198,16 @@ class StubSupervisor:
 class TritonServer(_Process):
     name = "tritonserver"
 
-    def __init__(self, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                 model_repository: Path = MODEL_REPOSITORY, extra_env: dict[str, str] | None = None,
-                 supervise: bool = True, address: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        model_repository: Path = MODEL_REPOSITORY,
+        extra_env: dict[str, str] | None = None,
+        supervise: bool = True,
+        address: str = "127.0.0.1",
+    ) -> None:
         super().__init__()
         self.address = address  # where its HTTP and gRPC endpoints listen (0.0.0.0 in a container)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -267,8 +274,9 @@ class TritonServer(_Process):
         self._post(f"/v2/repository/models/{model}/{action}", timeout=timeout)
 
     def _post(self, path: str, timeout: float) -> bytes:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=b"{}",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.http_port}{path}", data=b"{}", headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.read()
 
@@ -276,8 +284,9 @@ class TritonServer(_Process):
 class Frontend(_Process):
     name = "openai frontend"
 
-    def __init__(self, triton_grpc_url: str, port: int = 9000, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, triton_grpc_url: str, port: int = 9000, host: str = "127.0.0.1", extra_args: list[str] | None = None
+    ) -> None:
         super().__init__()
         self.triton_grpc_url, self.port, self.host = triton_grpc_url, port, host
         self.extra_args = extra_args or []
@@ -287,8 +296,18 @@ class Frontend(_Process):
         return f"http://{self.host}:{self.port}"
 
     def start(self, log_path: Path | None = None, timeout: float = 60.0) -> Frontend:
-        cmd = [sys.executable, "-m", "openai_frontend", "--triton-url", self.triton_grpc_url,
-               "--host", self.host, "--port", str(self.port), *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "openai_frontend",
+            "--triton-url",
+            self.triton_grpc_url,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
         self._spawn(cmd, dict(os.environ), log_path)
         self.wait_ready(f"{self.url}/health/ready", timeout)
         return self

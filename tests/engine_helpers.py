@@ -29,15 +29,28 @@ def smollm2_tokenizer() -> Tokenizer:
 
 def tiny_checkpoint(seed: int = 0) -> Checkpoint:
     tok = smollm2_tokenizer()
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.5
 
-    sd = {"model.embed_tokens.weight": w(cfg.vocab_size, cfg.hidden_size), "model.norm.weight": torch.ones(cfg.hidden_size)}
+    sd = {
+        "model.embed_tokens.weight": w(cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": torch.ones(cfg.hidden_size),
+    }
     kv = cfg.num_key_value_heads * cfg.head_dim
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -70,7 +83,9 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> list[Engine
     raise AssertionError("engine did not finish")
 
 
-def check_stream_invariants(outputs: list[EngineOutput], n_by_request: dict[str, int]) -> dict[tuple[str, int], list[StepOutput]]:
+def check_stream_invariants(
+    outputs: list[EngineOutput], n_by_request: dict[str, int]
+) -> dict[tuple[str, int], list[StepOutput]]:
     """Invariants 2-5 of docs/contract.md over everything an engine emitted; returns messages per sequence."""
     per_seq: dict[tuple[str, int], list[StepOutput]] = {}
     ended: set[str] = set()
@@ -94,6 +109,7 @@ def check_stream_invariants(outputs: list[EngineOutput], n_by_request: dict[str,
         if any(seqs):  # (a request that failed may have no messages at all)
             finished = [m for msgs in seqs for m in msgs if m.finished]
             assert all(msgs and msgs[-1].finished for msgs in seqs) or any(
-                isinstance(o, RequestFailure) and o.request_id == request_id for o in outputs)
+                isinstance(o, RequestFailure) and o.request_id == request_id for o in outputs
+            )
             assert len(finished) <= n
     return per_seq

@@ -21,11 +21,12 @@ ScriptItem = StepOutput | Exception | float
 Script = Callable[[str | list[int], SamplingParams], Sequence[ScriptItem]]
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"  # noqa: E501
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-FAKE_MODEL = ModelInfo("fake-llm", chat_template=CHATML_TEMPLATE, bos_token="", eos_token="<|im_end|>",
-                       max_model_len=2048)
+FAKE_MODEL = ModelInfo(
+    "fake-llm", chat_template=CHATML_TEMPLATE, bos_token="", eos_token="<|im_end|>", max_model_len=2048
+)
 
 
 def token_id(text: str) -> int:
@@ -33,9 +34,15 @@ def token_id(text: str) -> int:
     return sum(text.encode("utf-8")) % 1000 + 7
 
 
-def scripted_steps(seq_tokens: Sequence[Sequence[str]], finish: Sequence[FinishReason | str] | FinishReason | str = "length",
-                   *, prompt_tokens: int = 5, logprobs: int | None = None, stop_reason: str | int | None = None,
-                   request_id: str = "fake") -> list[StepOutput]:
+def scripted_steps(
+    seq_tokens: Sequence[Sequence[str]],
+    finish: Sequence[FinishReason | str] | FinishReason | str = "length",
+    *,
+    prompt_tokens: int = 5,
+    logprobs: int | None = None,
+    stop_reason: str | int | None = None,
+    request_id: str = "fake",
+) -> list[StepOutput]:
     """StepOutputs of n sequences (one per list of token texts), one token per step, interleaved by
     step; each sequence's last step carries its finish reason, the very last one `request_finished`."""
     finishes = [finish] * len(seq_tokens) if isinstance(finish, (str, FinishReason)) else list(finish)
@@ -50,14 +57,27 @@ def scripted_steps(seq_tokens: Sequence[Sequence[str]], finish: Sequence[FinishR
             lp = None
             if logprobs is not None:
                 alts = [f"{text}~{j}" for j in range(logprobs)]
-                lp = TokenLogprobs(logprobs=(-0.5,), token_texts=(text,),
-                                   top_token_ids=(tuple(token_id(a) for a in alts),),
-                                   top_logprobs=(tuple(-1.0 - j for j in range(logprobs)),),
-                                   top_token_texts=(tuple(alts),))
-            steps.append(StepOutput(request_id=request_id, seq_index=seq, step=step, token_ids=(token_id(text),),
-                                    text_delta=text, logprobs=lp, finish_reason=reason,
-                                    stop_reason=stop_reason if reason == FinishReason.STOP else None,
-                                    num_prompt_tokens=prompt_tokens, num_output_tokens=step + 1))
+                lp = TokenLogprobs(
+                    logprobs=(-0.5,),
+                    token_texts=(text,),
+                    top_token_ids=(tuple(token_id(a) for a in alts),),
+                    top_logprobs=(tuple(-1.0 - j for j in range(logprobs)),),
+                    top_token_texts=(tuple(alts),),
+                )
+            steps.append(
+                StepOutput(
+                    request_id=request_id,
+                    seq_index=seq,
+                    step=step,
+                    token_ids=(token_id(text),),
+                    text_delta=text,
+                    logprobs=lp,
+                    finish_reason=reason,
+                    stop_reason=stop_reason if reason == FinishReason.STOP else None,
+                    num_prompt_tokens=prompt_tokens,
+                    num_output_tokens=step + 1,
+                )
+            )
     steps[-1] = dataclasses.replace(steps[-1], request_finished=True)
     return steps
 
@@ -79,8 +99,9 @@ class GenerateCall:
 
 
 class FakeEngineClient:
-    def __init__(self, script: Script = default_script, models: Sequence[ModelInfo] = (FAKE_MODEL,),
-                 *, available: bool = True) -> None:
+    def __init__(
+        self, script: Script = default_script, models: Sequence[ModelInfo] = (FAKE_MODEL,), *, available: bool = True
+    ) -> None:
         self.script = script
         self.models = {m.name: m for m in models}
         self.available = available
@@ -107,8 +128,9 @@ class FakeEngineClient:
             raise ModelNotFound(model)
         return self.models[model]
 
-    async def generate(self, model: str, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StepOutput]:
         self._check_available()
         self.calls.append(GenerateCall(model, prompt, params, request_id))
         finished: set[int] = set()

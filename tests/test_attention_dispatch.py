@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from backend import attention
-from backend.attention import AttentionMetadata, allocate_kv_caches, apply_rope, kernels_for, paged_attention, rotate_and_store
+from backend.attention import (
+    AttentionMetadata,
+    allocate_kv_caches,
+    apply_rope,
+    kernels_for,
+    paged_attention,
+    rotate_and_store,
+)
 from kernels import cpu_kernels, reference
 
 H, KVH, D, BS = 4, 2, 8, 4
@@ -26,7 +33,7 @@ def _batch(q_lens: list[int], ctx_lens: list[int], num_decode: int, num_blocks: 
     blocks are b, b + B, b + 2B, ... (interleaved); the cached prefix holds random K/V."""
     g = torch.Generator().manual_seed(0)
     B, T = len(q_lens), sum(q_lens)
-    (k_cache, v_cache), = allocate_kv_caches(1, num_blocks, BS, KVH, D, torch.float32)
+    ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, BS, KVH, D, torch.float32)
     k_cache.normal_(generator=g)
     v_cache.normal_(generator=g)
     max_blocks = max(math.ceil(n / BS) for n in ctx_lens)
@@ -80,9 +87,13 @@ CPU_PREFILL = ["paged_prefill_cpu"] + ([] if cpu_kernels.paged_prefill() and D %
 def recorded(monkeypatch):
     """Wrap the three references and the CPU decode entry so each call is recorded (name, args) and still computed."""
     calls: list[tuple[str, tuple]] = []
-    for module, name in ((reference, "store_kv_ref"), (reference, "paged_attention_decode_ref"),
-                         (reference, "paged_prefill_ref"), (cpu_kernels, "paged_attention_decode_cpu"),
-                         (cpu_kernels, "paged_prefill_cpu")):
+    for module, name in (
+        (reference, "store_kv_ref"),
+        (reference, "paged_attention_decode_ref"),
+        (reference, "paged_prefill_ref"),
+        (cpu_kernels, "paged_attention_decode_cpu"),
+        (cpu_kernels, "paged_prefill_cpu"),
+    ):
         real = getattr(module, name)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
@@ -194,7 +205,9 @@ def test_rotate_and_store_on_cpu_runs_the_fused_op_where_built_and_torch_otherwi
         pytest.skip("the llm_cpu kernels could not be built here")
     calls = []
     if fused:
-        recording = types.SimpleNamespace(rope_store_kv=lambda *a: calls.append("rope_store_kv") or ops.rope_store_kv(*a))
+        recording = types.SimpleNamespace(
+            rope_store_kv=lambda *a: calls.append("rope_store_kv") or ops.rope_store_kv(*a)
+        )
         monkeypatch.setattr(cpu_kernels, "layer_ops_for", lambda *tensors: recording)
     else:
         monkeypatch.setattr(cpu_kernels, "layer_ops_for", lambda *tensors: None)

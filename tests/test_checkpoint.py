@@ -143,17 +143,33 @@ def test_hf_folder_source(tmp_path):
     from tokenizers import Tokenizer as FastTokenizer
     from tokenizers import models
 
-    config = LlamaConfig(vocab_size=4, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=4, max_position_embeddings=32, rms_norm_eps=1e-6,
-                         rope_theta=1e4, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=4,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        tie_word_embeddings=True,
+    )
     (tmp_path / "config.json").write_text(json.dumps({**config.to_hf_dict(), "eos_token_id": 3}))
     save_file({"model.norm.weight": torch.ones(8, dtype=torch.float16)}, str(tmp_path / "model.safetensors"))
     fast = FastTokenizer(models.WordLevel({"a": 0, "b": 1, "<s>": 2, "</s>": 3}, unk_token="a"))
     fast.add_special_tokens(["<s>", "</s>"])
     fast.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True,
-                    "chat_template": [{"name": "default", "template": "{{ messages }}"}]})
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "</s>"},
+                "add_bos_token": True,
+                "chat_template": [{"name": "default", "template": "{{ messages }}"}],
+            }
+        )
     )
     ckpt = load_checkpoint(str(tmp_path))
     assert ckpt.config == config
@@ -169,9 +185,19 @@ def test_bad_sources_and_unsupported_configs(tmp_path):
         resolve_source(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_source(str(tmp_path))
-    base = LlamaConfig(vocab_size=4, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=4, max_position_embeddings=32, rms_norm_eps=1e-6,
-                       rope_theta=1e4, tie_word_embeddings=True).to_hf_dict()
+    base = LlamaConfig(
+        vocab_size=4,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        tie_word_embeddings=True,
+    ).to_hf_dict()
     with pytest.raises(NotImplementedError, match="rope scaling"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(NotImplementedError, match="model_type"):

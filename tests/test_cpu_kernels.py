@@ -24,7 +24,9 @@ from kernels import cpu_kernels, reference
 kernel = cpu_kernels.linear()
 decode_kernel = cpu_kernels.paged_decode()
 layer_ops = cpu_kernels.layer_ops()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)")
+needs_kernel = pytest.mark.skipif(
+    kernel is None, reason="the llm_cpu kernels could not be built here (see the log line)"
+)
 
 
 def linear(x, w, bias=None, residual=None):
@@ -43,6 +45,7 @@ def isa(request):
         pytest.skip("no AVX-512 on this CPU")
     yield request.param
     torch.ops.llm_cpu.use_avx512(True)  # the default: on where the CPU has it
+
 
 # (N, K): N a multiple of the 32-column panel or not (a zero-padded last panel), fewer panels than a
 # thread's grain (one thread) or more, than the panels one row reads at once (2-4) or not a multiple of them.
@@ -123,16 +126,19 @@ def test_packed_weight_layout():
 
 
 @needs_kernel
-@pytest.mark.parametrize("case, message", [
-    (lambda: linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8)), "float32"),
-    (lambda: linear(torch.randn(2, 8, 1), torch.randn(4, 8)), r"\(M, K\)"),
-    (lambda: kernel(torch.randn(1, 8), torch.randn(4, 8), 4), "packed"),
-    (lambda: kernel(torch.randn(1, 8), torch.randn(8, 2, 32).transpose(0, 1), 40), "contiguous"),
-    (lambda: kernel(torch.randn(1, 8), cpu_kernels.pack_linear_weight(torch.randn(4, 8)), 33), "n = 33"),
-    (lambda: linear(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
-    (lambda: linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
-    (lambda: linear(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (lambda: linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8)), "float32"),
+        (lambda: linear(torch.randn(2, 8, 1), torch.randn(4, 8)), r"\(M, K\)"),
+        (lambda: kernel(torch.randn(1, 8), torch.randn(4, 8), 4), "packed"),
+        (lambda: kernel(torch.randn(1, 8), torch.randn(8, 2, 32).transpose(0, 1), 40), "contiguous"),
+        (lambda: kernel(torch.randn(1, 8), cpu_kernels.pack_linear_weight(torch.randn(4, 8)), 33), "n = 33"),
+        (lambda: linear(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
+        (lambda: linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
+        (lambda: linear(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
+    ],
+)
 def test_kernel_rejects_bad_input_with_a_clear_error(case, message):
     with pytest.raises(RuntimeError, match=message):
         case()
@@ -153,8 +159,14 @@ def test_only_load_builds_or_loads_the_library():
         "assert m.layers[0].self_attn.qkv_proj.panels is None\n"
         "print(k.load(), k.linear() is not None)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1], check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == (["True", "True"] if kernel is not None else ["False", "False"])
 
@@ -186,7 +198,8 @@ def _paged_case(B, H, KVH, D, BS, seed, max_blocks=6, num_blocks=40, strided=Fal
 
 @needs_decode_kernel
 @pytest.mark.parametrize("H, KVH", [(4, 4), (9, 3), (8, 2), (16, 2)])  # GQA ratios 1, 3, 4, 8
-# 24: 8-position dots, not the 64-wide V loop; 20: scalar tails; AVX-512 takes D = 32 (G <= 8), 64 (G <= 4), 128 (G <= 2)
+# 24: 8-position dots, not the 64-wide V loop; 20: scalar tails;
+# AVX-512 takes D = 32 (G <= 8), 64 (G <= 4), 128 (G <= 2)
 @pytest.mark.parametrize("D", [64, 128, 32, 24, 20])
 @pytest.mark.parametrize("BS", [16, 32])
 @pytest.mark.parametrize("strided", [False, True])
@@ -211,14 +224,17 @@ def test_decode_entry_point_falls_back_to_the_reference_off_fp32():
 
 
 @needs_decode_kernel
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(seq_lens=torch.tensor([0, 5, 5], dtype=torch.int32)), "outside"),
-    (lambda a: a.update(seq_lens=torch.tensor([97, 5, 5], dtype=torch.int32)), "outside"),
-    (lambda a: a["block_tables"].__setitem__((1, 0), 40), "not a cache block"),
-    (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
-    (lambda a: a.update(q=a["q"].double()), "float32"),
-    (lambda a: a.update(q=a["q"][:, :3]), "multiple"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(seq_lens=torch.tensor([0, 5, 5], dtype=torch.int32)), "outside"),
+        (lambda a: a.update(seq_lens=torch.tensor([97, 5, 5], dtype=torch.int32)), "outside"),
+        (lambda a: a["block_tables"].__setitem__((1, 0), 40), "not a cache block"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "int32"),
+        (lambda a: a.update(q=a["q"].double()), "float32"),
+        (lambda a: a.update(q=a["q"][:, :3]), "multiple"),
+    ],
+)
 def test_decode_kernel_rejects_bad_input_with_a_clear_error(change, message):
     q, k_cache, v_cache, tables, lens = _paged_case(B=3, H=4, KVH=2, D=16, BS=16, seed=2)
     args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables, "seq_lens": lens}
@@ -283,7 +299,9 @@ def test_prefill_kernel_splits_a_lone_sequence_in_chunks_of_rows(q_len, ctx, thr
         got = prefill_kernel(q, k_cache, v_cache, tables, qsl, lens, 0.125)
     finally:
         torch.set_num_threads(old)
-    torch.testing.assert_close(got, reference.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, lens, 0.125), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        got, reference.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, lens, 0.125), rtol=1e-5, atol=2e-6
+    )
 
 
 def _one_sequence(L, BS, D=64, KVH=3, H=9, seed=0):
@@ -305,8 +323,15 @@ def _one_sequence(L, BS, D=64, KVH=3, H=9, seed=0):
 def test_prefill_kernel_long_context_matches_reference(BS, D, KVH, H, isa):
     # 130 new rows after 200 cached positions: many row tiles and key blocks, a head's rows split into tasks.
     q, k_cache, v_cache, table = _one_sequence(330, BS, D, KVH, H, seed=BS + D)
-    args = (q[200:], k_cache, v_cache, table[None], torch.tensor([0, 130], dtype=torch.int32),
-            torch.tensor([330], dtype=torch.int32), D**-0.5)
+    args = (
+        q[200:],
+        k_cache,
+        v_cache,
+        table[None],
+        torch.tensor([0, 130], dtype=torch.int32),
+        torch.tensor([330], dtype=torch.int32),
+        D**-0.5,
+    )
     got = prefill_kernel(*args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, reference.paged_prefill_ref(*args), rtol=1e-5, atol=2e-6)
@@ -322,14 +347,42 @@ def test_prefill_rows_do_not_depend_on_chunking_batching_or_threads(threads, isa
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        whole = prefill_kernel(q, k_cache, v_cache, table[None], torch.tensor([0, L], dtype=torch.int32),
-                               torch.tensor([L], dtype=torch.int32), 0.125)
-        first = prefill_kernel(q[:cut], k_cache, v_cache, table[None], torch.tensor([0, cut], dtype=torch.int32),
-                               torch.tensor([cut], dtype=torch.int32), 0.125)
-        second = prefill_kernel(q[cut:], k_cache, v_cache, table[None], torch.tensor([0, L - cut], dtype=torch.int32),
-                                torch.tensor([L], dtype=torch.int32), 0.125)
-        both = prefill_kernel(q, k_cache, v_cache, table[None].repeat(2, 1), torch.tensor([0, cut, L], dtype=torch.int32),
-                              torch.tensor([cut, L], dtype=torch.int32), 0.125)
+        whole = prefill_kernel(
+            q,
+            k_cache,
+            v_cache,
+            table[None],
+            torch.tensor([0, L], dtype=torch.int32),
+            torch.tensor([L], dtype=torch.int32),
+            0.125,
+        )
+        first = prefill_kernel(
+            q[:cut],
+            k_cache,
+            v_cache,
+            table[None],
+            torch.tensor([0, cut], dtype=torch.int32),
+            torch.tensor([cut], dtype=torch.int32),
+            0.125,
+        )
+        second = prefill_kernel(
+            q[cut:],
+            k_cache,
+            v_cache,
+            table[None],
+            torch.tensor([0, L - cut], dtype=torch.int32),
+            torch.tensor([L], dtype=torch.int32),
+            0.125,
+        )
+        both = prefill_kernel(
+            q,
+            k_cache,
+            v_cache,
+            table[None].repeat(2, 1),
+            torch.tensor([0, cut, L], dtype=torch.int32),
+            torch.tensor([cut, L], dtype=torch.int32),
+            0.125,
+        )
     finally:
         torch.set_num_threads(old)
     assert torch.equal(torch.cat([first, second]), whole) and torch.equal(both, whole)
@@ -342,24 +395,39 @@ def test_prefill_entry_point_runs_the_kernel_where_it_applies(monkeypatch):
     q, k_cache, v_cache, tables, qsl, lens = _prefill_case(9, 3, 64, 16, seed=3)
     got = cpu_kernels.paged_prefill_cpu(q, k_cache, v_cache, tables, qsl, lens, 0.125)
     assert not calls and got.abs().sum() > 0  # fp32, head_dim 64: the kernel
-    cpu_kernels.paged_prefill_cpu(q[..., :24].contiguous(), k_cache[..., :24], v_cache[..., :24], tables, qsl, lens, 0.2)
+    cpu_kernels.paged_prefill_cpu(
+        q[..., :24].contiguous(), k_cache[..., :24], v_cache[..., :24], tables, qsl, lens, 0.2
+    )
     cpu_kernels.paged_prefill_cpu(q.half(), k_cache.half(), v_cache.half(), tables, qsl, lens, 0.125)
     assert len(calls) == 2  # head_dim 24 and fp16: the reference
 
 
 @needs_prefill_kernel
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(0)), "outside"),
-    (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(10**4)), "outside"),
-    (lambda a: a["block_tables"].__setitem__((1, 0), 10**4), "not a cache block"),
-    (lambda a: a.update(query_start_loc=a["query_start_loc"] + 1), "from 0 to T"),
-    (lambda a: a.update(query_start_loc=a["query_start_loc"].long()), "int32"),
-    (lambda a: a.update(q=a["q"].double()), "float32"),
-    (lambda a: a.update(q=a["q"][..., :16], k_cache=a["k_cache"][..., :16], v_cache=a["v_cache"][..., :16]), "multiple of 32"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(0)), "outside"),
+        (lambda a: a.update(seq_lens=a["seq_lens"].clone().fill_(10**4)), "outside"),
+        (lambda a: a["block_tables"].__setitem__((1, 0), 10**4), "not a cache block"),
+        (lambda a: a.update(query_start_loc=a["query_start_loc"] + 1), "from 0 to T"),
+        (lambda a: a.update(query_start_loc=a["query_start_loc"].long()), "int32"),
+        (lambda a: a.update(q=a["q"].double()), "float32"),
+        (
+            lambda a: a.update(q=a["q"][..., :16], k_cache=a["k_cache"][..., :16], v_cache=a["v_cache"][..., :16]),
+            "multiple of 32",
+        ),
+    ],
+)
 def test_prefill_kernel_rejects_bad_input_with_a_clear_error(change, message):
     q, k_cache, v_cache, tables, qsl, lens = _prefill_case(4, 2, 32, 16, seed=4)
-    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables, "query_start_loc": qsl, "seq_lens": lens}
+    args = {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "query_start_loc": qsl,
+        "seq_lens": lens,
+    }
     change(args)
     with pytest.raises(RuntimeError, match=message):
         prefill_kernel(*args.values(), 0.25)
@@ -374,8 +442,17 @@ def _loaded_linear(K: int, N: int, bias: bool) -> Linear:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows, path", [(1, "kernel"), (7, "kernel"), (cpu_kernels.MAX_LINEAR_ROWS, "kernel"),
-                                        (1, "split_bmm"), (7, "onednn"), (cpu_kernels.MAX_LINEAR_ROWS + 1, "onednn")])
+@pytest.mark.parametrize(
+    "rows, path",
+    [
+        (1, "kernel"),
+        (7, "kernel"),
+        (cpu_kernels.MAX_LINEAR_ROWS, "kernel"),
+        (1, "split_bmm"),
+        (7, "onednn"),
+        (cpu_kernels.MAX_LINEAR_ROWS + 1, "onednn"),
+    ],
+)
 def test_linear_cpu_paths_match_f_linear(rows, path, bias, with_residual):
     lin = _loaded_linear(576, 960, bias)
     assert lin._kernel is kernel  # repack picks the kernel whenever it is there
@@ -439,7 +516,9 @@ needs_layer_ops = pytest.mark.skipif(layer_ops is None, reason="the llm_cpu kern
 @pytest.mark.parametrize("C", [576, 100, 7])  # the 16-wide loop, its 8-wide part, the scalar tail
 def test_rms_norm_op_matches_reference(T, C):
     x, w = torch.randn(T, C) * 4, torch.randn(C)
-    torch.testing.assert_close(layer_ops.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        layer_ops.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-6
+    )
 
 
 @needs_layer_ops
@@ -487,24 +566,29 @@ def test_rope_store_kv_reference_is_the_models_rope_and_store():
     torch.testing.assert_close(q, apply_rope(x[:, :H], cos, sin))
     keep = slots >= 0
     rows = caches.flatten(1, 2)[:, slots[keep]]  # (2, kept, KVH, D)
-    torch.testing.assert_close(rows[0], apply_rope(x[keep, H:H + KVH], cos[keep], sin[keep]))
-    torch.testing.assert_close(rows[1], x[keep, H + KVH:])
+    torch.testing.assert_close(rows[0], apply_rope(x[keep, H : H + KVH], cos[keep], sin[keep]))
+    torch.testing.assert_close(rows[1], x[keep, H + KVH :])
 
 
 @needs_layer_ops
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a["slots"].__setitem__(0, 8 * 16), "beyond"),
-    (lambda a: a.update(qkv=a["qkv"][:, :-1].contiguous()), "qkv must be"),
-    (lambda a: a.update(H=5), "multiple"),
-    (lambda a: a.update(slots=a["slots"].int()), "int64"),
-    (lambda a: a.update(cos=a["cos"][:2]), "cos and sin"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a["slots"].__setitem__(0, 8 * 16), "beyond"),
+        (lambda a: a.update(qkv=a["qkv"][:, :-1].contiguous()), "qkv must be"),
+        (lambda a: a.update(H=5), "multiple"),
+        (lambda a: a.update(slots=a["slots"].int()), "int64"),
+        (lambda a: a.update(cos=a["cos"][:2]), "cos and sin"),
+    ],
+)
 def test_rope_store_kv_op_rejects_bad_input_with_a_clear_error(change, message):
     qkv, cos, sin, caches, slots = _rope_case(4, 4, 2, 8)
     args = {"qkv": qkv, "cos": cos, "sin": sin, "slots": slots, "H": 4}
     change(args)
     with pytest.raises(RuntimeError, match=message):
-        layer_ops.rope_store_kv(args["qkv"], args["cos"], args["sin"], caches[0], caches[1], args["slots"], args["H"], 2)
+        layer_ops.rope_store_kv(
+            args["qkv"], args["cos"], args["sin"], caches[0], caches[1], args["slots"], args["H"], 2
+        )
 
 
 def test_layer_ops_for_takes_contiguous_cpu_fp32_only():
@@ -519,7 +603,7 @@ def test_layer_ops_for_takes_contiguous_cpu_fp32_only():
 def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypatch):
     # llm_cpu::decoder_layer runs LlamaDecoderLayer.forward's C++ ops in the same order: the same bits,
     # hidden states and cache writes alike.
-    from backend.attention import AttentionMetadata, allocate_kv_caches
+    from backend.attention import AttentionMetadata
     from backend.models import llama
     from tests.engine_helpers import tiny_checkpoint
 
@@ -529,14 +613,21 @@ def test_decode_step_through_the_fused_layer_equals_the_op_by_op_one(B, monkeypa
     model.load_weights(ck.state_dict)
     BS, nb = 8, 4
     g = torch.Generator().manual_seed(B)
-    caches = [tuple(torch.randn(B * nb, BS, cfg.num_key_value_heads, cfg.head_dim, generator=g) for _ in range(2))
-              for _ in range(cfg.num_hidden_layers)]
+    caches = [
+        tuple(torch.randn(B * nb, BS, cfg.num_key_value_heads, cfg.head_dim, generator=g) for _ in range(2))
+        for _ in range(cfg.num_hidden_layers)
+    ]
     tables = torch.randperm(B * nb, generator=g).view(B, nb).int()
     lens = torch.randint(1, nb * BS, (B,), generator=g, dtype=torch.int32)  # this step's token included
     pos = lens.long() - 1
     slots = tables[torch.arange(B), (pos // BS)].long() * BS + pos % BS
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_seqs=B, block_tables=tables, seq_lens=lens,
-                             query_start_loc=torch.arange(B + 1, dtype=torch.int32))
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_seqs=B,
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32),
+    )
     ids = torch.randint(0, cfg.vocab_size, (B,), generator=g)
     calls = []
     real = cpu_kernels.decoder_layer()

@@ -4,7 +4,6 @@ and their commands, ports, probe paths and names agree with the code."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -13,10 +12,10 @@ import yaml
 from fastapi.testclient import TestClient
 
 from openai_frontend.app import create_app
-from tests.fake_engine import FakeEngineClient
 from openai_frontend.settings import parse_settings
 from scripts import serve
 from scripts.servers import REPO_ROOT, TritonServer
+from tests.fake_engine import FakeEngineClient
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 MODEL_PY = REPO_ROOT / "model_repository" / "smollm2-135m-instruct" / "1" / "model.py"
@@ -60,7 +59,10 @@ def test_manifests_agree_with_the_code():
     ports = {p["name"]: p["containerPort"] for p in container(triton)["ports"]}
     assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port}
     tc = container(triton)
-    assert tc["command"][-3:] == ["scripts.serve", "--only", "triton"] and serve.build_parser().parse_args(tc["command"][-2:]).only == "triton"
+    assert (
+        tc["command"][-3:] == ["scripts.serve", "--only", "triton"]
+        and serve.build_parser().parse_args(tc["command"][-2:]).only == "triton"
+    )
     assert {"name": "TRITON_ADDRESS", "value": "0.0.0.0"} in tc["env"]
     assert tc["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert tc["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
@@ -74,7 +76,10 @@ def test_manifests_agree_with_the_code():
     settings = parse_settings(fc["command"][3:])
     assert settings.triton_urls == (f"{service['metadata']['name']}:{grpc['port']}",)
     assert settings.port == fc["ports"][0]["containerPort"]
-    assert fc["readinessProbe"]["httpGet"]["path"] == "/health/ready" and fc["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert (
+        fc["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        and fc["livenessProbe"]["httpGet"]["path"] == "/health"
+    )
     assert answered({fc["readinessProbe"]["httpGet"]["path"], fc["livenessProbe"]["httpGet"]["path"]})
     assert frontend["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > settings.shutdown_grace_s
     # The autoscaler scales the Triton Deployment on a metric the model exports.

@@ -87,8 +87,10 @@ def test_context_limits():
 
 def test_out_of_vocabulary_token_ids_name_the_id_the_vocabulary_and_the_field(engine):
     vocab = engine.runtime.vocab_size
-    for field_name, params in [("stop_token_ids", SamplingParams(stop_token_ids=(5, vocab + 7))),
-                               ("logit_bias", SamplingParams(logit_bias=((vocab + 7, 1.0),)))]:
+    for field_name, params in [
+        ("stop_token_ids", SamplingParams(stop_token_ids=(5, vocab + 7))),
+        ("logit_bias", SamplingParams(logit_bias=((vocab + 7, 1.0),))),
+    ]:
         with pytest.raises(InvalidRequestError) as refused:
             engine.make_request("oov", PROMPT, params)
         assert refused.value.param == field_name
@@ -124,7 +126,9 @@ def test_greedy_output_is_the_same_under_preemption_and_chunked_prefill():
     def run(**config):
         engine = tiny_engine(**config)
         for i, p in enumerate(prompts):
-            engine.add_request(engine.make_request(f"q{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+            engine.add_request(
+                engine.make_request(f"q{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            )
         per_seq = check_stream_invariants(run_to_completion(engine), {f"q{i}": 1 for i in range(6)})
         return {k: tokens(v) for k, v in per_seq.items()}, engine
 
@@ -135,32 +139,42 @@ def test_greedy_output_is_the_same_under_preemption_and_chunked_prefill():
 
 
 requests_strategy = st.lists(
-    st.fixed_dictionaries({
-        "n": st.integers(1, 3),
-        "max_tokens": st.integers(1, 10),
-        "prompt_len": st.integers(1, 40),
-        "logprobs": st.sampled_from([None, 0, 2]),
-        "stop": st.sampled_from([[], ["e"], [" the", "\n"]]),
-        "abort_at": st.one_of(st.none(), st.integers(0, 12)),
-        "arrive_at": st.integers(0, 6),
-    }),
-    min_size=1, max_size=6,
+    st.fixed_dictionaries(
+        {
+            "n": st.integers(1, 3),
+            "max_tokens": st.integers(1, 10),
+            "prompt_len": st.integers(1, 40),
+            "logprobs": st.sampled_from([None, 0, 2]),
+            "stop": st.sampled_from([[], ["e"], [" the", "\n"]]),
+            "abort_at": st.one_of(st.none(), st.integers(0, 12)),
+            "arrive_at": st.integers(0, 6),
+        }
+    ),
+    min_size=1,
+    max_size=6,
 )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests_strategy, blocks=st.integers(12, 40), budget=st.integers(16, 64), prefix=st.booleans())
 def test_random_requests_aborts_and_tiny_pools_keep_every_invariant(reqs, blocks, budget, prefix):
-    engine = tiny_engine(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=96,
-                         enable_prefix_caching=prefix)
+    engine = tiny_engine(
+        num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=96, enable_prefix_caching=prefix
+    )
     outputs, step = [], 0
     pending = dict(enumerate(reqs))
     while pending or engine.has_work():
         for i, r in list(pending.items()):
             if r["arrive_at"] <= step:
                 prompt = [100 + (i * 31 + j * 7) % 500 for j in range(r["prompt_len"])]
-                params = SamplingParams(n=r["n"], max_tokens=r["max_tokens"], logprobs=r["logprobs"], stop=tuple(r["stop"]),
-                                        temperature=0.9, seed=i)
+                params = SamplingParams(
+                    n=r["n"],
+                    max_tokens=r["max_tokens"],
+                    logprobs=r["logprobs"],
+                    stop=tuple(r["stop"]),
+                    temperature=0.9,
+                    seed=i,
+                )
                 engine.add_request(engine.make_request(f"h{i}", prompt, params))
                 del pending[i]
         for i, r in enumerate(reqs):

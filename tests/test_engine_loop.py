@@ -59,7 +59,9 @@ def test_duplicate_request_id_is_refused_with_an_error_and_others_go_on():
         loop.submit(engine.make_request("same", "a", SamplingParams(max_tokens=50, ignore_eos=True)), first)
         loop.submit(engine.make_request("same", "b", SamplingParams(max_tokens=2)), second)
         assert second.done.wait(30) and first.done.wait(30)
-        assert isinstance(second.outputs[-1], RequestFailure) and second.outputs[-1].error_type == "invalid_request_error"
+        assert (
+            isinstance(second.outputs[-1], RequestFailure) and second.outputs[-1].error_type == "invalid_request_error"
+        )
         assert isinstance(first.outputs[-1], StepOutput) and first.outputs[-1].num_output_tokens == 50
     finally:
         loop.stop()

@@ -17,8 +17,8 @@ import pytest
 from backend.types import FinishReason, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure, InvalidRequest
-from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
 from openai_frontend.settings import Settings
+from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
 
 pytestmark = pytest.mark.asyncio
 MODEL = FAKE_MODEL.name
@@ -35,7 +35,7 @@ def parse_sse(text: str) -> list[Any]:
     events: list[Any] = []
     for block in text[:-2].split("\n\n"):
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -69,13 +69,24 @@ def script_of(steps: list[StepOutput | Exception | float]):
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
 async def test_completions_n2_logprobs0_usage(max_tokens: int) -> None:
     engine = FakeEngineClient()
-    events = await stream(engine, "/v1/completions", {
-        "prompt": "one two three", "n": 2, "logprobs": 0, "max_tokens": max_tokens,
-        "stream_options": {"include_usage": True}})
+    events = await stream(
+        engine,
+        "/v1/completions",
+        {
+            "prompt": "one two three",
+            "n": 2,
+            "logprobs": 0,
+            "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True},
+        },
+    )
     *chunks, usage_chunk = events
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2 * max_tokens,
-                                    "total_tokens": 3 + 2 * max_tokens}
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2 * max_tokens,
+        "total_tokens": 3 + 2 * max_tokens,
+    }
     assert all("usage" not in c for c in chunks)
     choices = by_choice(chunks)
     assert sorted(choices) == [0, 1]
@@ -99,8 +110,9 @@ async def test_n4_finishing_in_the_same_step_keep_their_last_tokens() -> None:
     seqs = [[f"a{s}", f"b{s}", f"last{s}"] for s in range(4)]
     steps = scripted_steps(seqs, ["stop", "length", "stop", "length"], stop_reason=None)
     engine = FakeEngineClient(script_of(steps))
-    events = await stream(engine, "/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 3,
-                                                      "stream_options": {"include_usage": True}})
+    events = await stream(
+        engine, "/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    )
     choices = by_choice(events[:-1])
     assert sorted(choices) == [0, 1, 2, 3]
     for s, parts in choices.items():
@@ -115,7 +127,9 @@ async def test_non_streaming_equals_streaming() -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
         whole = (await client.post("/v1/completions", json=body)).json()
-        r = await client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        r = await client.post(
+            "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
     events = parse_sse(r.text)[:-1]
     choices = by_choice(events)
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
@@ -135,11 +149,18 @@ async def test_batched_prompts_index_is_prompt_times_n_plus_seq() -> None:
         return scripted_steps([[f"{prompt}/{s}"] for s in range(params.n)], prompt_tokens=len(prompt))
 
     engine = FakeEngineClient(script)
-    events = await stream(engine, "/v1/completions", {"prompt": ["p0", "p1x", "p2yy"], "n": 2,
-                                                      "stream_options": {"include_usage": True}})
+    events = await stream(
+        engine, "/v1/completions", {"prompt": ["p0", "p1x", "p2yy"], "n": 2, "stream_options": {"include_usage": True}}
+    )
     choices = by_choice(events[:-1])
     assert {i: parts[0]["text"] for i, parts in choices.items()} == {
-        0: "p0/0", 1: "p0/1", 2: "p1x/0", 3: "p1x/1", 4: "p2yy/0", 5: "p2yy/1"}
+        0: "p0/0",
+        1: "p0/1",
+        2: "p1x/0",
+        3: "p1x/1",
+        4: "p2yy/0",
+        5: "p2yy/1",
+    }
     assert events[-1]["usage"] == {"prompt_tokens": 2 + 3 + 4, "completion_tokens": 6, "total_tokens": 15}
     assert sorted(c.prompt for c in engine.calls) == ["p0", "p1x", "p2yy"]  # one engine request per prompt
     assert len({c.request_id for c in engine.calls}) == 3
@@ -157,9 +178,16 @@ async def test_token_id_prompts() -> None:
 
 async def test_continuous_usage_stats() -> None:
     engine = FakeEngineClient()
-    events = await stream(engine, "/v1/completions", {
-        "prompt": "a b", "n": 2, "max_tokens": 3,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = await stream(
+        engine,
+        "/v1/completions",
+        {
+            "prompt": "a b",
+            "n": 2,
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     running = [e["usage"]["completion_tokens"] for e in events[:-1]]
     assert running == list(range(1, 7))  # one token per chunk, counted as it is sent
     assert all(e["usage"]["prompt_tokens"] == 2 for e in events)
@@ -167,10 +195,20 @@ async def test_continuous_usage_stats() -> None:
 
 
 async def test_continuous_usage_stats_without_include_usage_sends_no_usage() -> None:
-    for path, body in [("/v1/completions", {"prompt": "a b"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
-        events = await stream(FakeEngineClient(), path, {
-            **body, "n": 2, "max_tokens": 3, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    for path, body in [
+        ("/v1/completions", {"prompt": "a b"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ]:
+        events = await stream(
+            FakeEngineClient(),
+            path,
+            {
+                **body,
+                "n": 2,
+                "max_tokens": 3,
+                "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+            },
+        )
         assert events and all("usage" not in e for e in events) and all(e["choices"] for e in events)
 
 
@@ -186,10 +224,19 @@ async def test_seed_outside_the_signed_64_bit_range_is_a_400() -> None:
 
 async def test_unknown_fields_inside_messages_are_ignored_but_not_at_the_top() -> None:
     engine = FakeEngineClient()
-    messages = [{"role": "user", "content": "Hi", "extra_field": 0},
-                {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None,
-                 "function_call": None, "reasoning_content": "thought"},
-                {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "user", "content": "Hi", "extra_field": 0},
+        {
+            "role": "assistant",
+            "content": "Hello",
+            "refusal": None,
+            "annotations": [],
+            "audio": None,
+            "function_call": None,
+            "reasoning_content": "thought",
+        },
+        {"role": "user", "content": "Again"},
+    ]
     async with make_client(engine) as client:
         r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert r.status_code == 200, r.text
@@ -200,9 +247,16 @@ async def test_unknown_fields_inside_messages_are_ignored_but_not_at_the_top() -
 
 async def test_chat_continuous_usage_counts_only_what_was_sent() -> None:
     engine = FakeEngineClient()
-    events = await stream(engine, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = await stream(
+        engine,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "n": 2,
+            "max_tokens": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     assert [e["usage"]["completion_tokens"] for e in events] == [0, 0, 1, 2, 3, 4, 4]
     assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
 
@@ -222,9 +276,21 @@ async def test_utf8_deltas_and_char_offsets() -> None:
     pieces = ["h\u00e9", "", "\U0001f600", " \u4e16"]  # "" = a token that ends mid-character
     steps = []
     for i, text in enumerate(pieces):
-        steps.append(StepOutput("r", 0, i, (100 + i,), text,
-                                TokenLogprobs((-0.1,), (text,), ((), ), ((),), ((),)),
-                                FinishReason.STOP if i == 3 else None, None, 1, i + 1, i == 3))
+        steps.append(
+            StepOutput(
+                "r",
+                0,
+                i,
+                (100 + i,),
+                text,
+                TokenLogprobs((-0.1,), (text,), ((),), ((),), ((),)),
+                FinishReason.STOP if i == 3 else None,
+                None,
+                1,
+                i + 1,
+                i == 3,
+            )
+        )
     engine = FakeEngineClient(script_of(steps))
     async with make_client(engine) as client:
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True, "logprobs": 0})
@@ -249,8 +315,9 @@ async def test_stop_reason_and_abort_reported() -> None:
 async def test_echo() -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
-        whole = (await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True,
-                                                             "max_tokens": 2})).json()
+        whole = (
+            await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True, "max_tokens": 2})
+        ).json()
         assert whole["choices"][0]["text"] == "His0t0 s0t1 "
         # Echoing token ids needs the tokenizer, which this fake model does not name (tests/test_frontend_scoring.py
         # has one that does): a clear 501, not a wrong text.
@@ -324,7 +391,9 @@ async def test_error_mid_stream() -> None:
     engine = FakeEngineClient(script_of([steps[0], EngineFailure("CUDA out of memory")]))
     events = await stream(engine, "/v1/completions", {"prompt": "x"})
     assert events[0]["choices"][0]["text"] == "a"
-    assert events[1] == {"error": {"message": "CUDA out of memory", "type": "engine_error", "param": None, "code": None}}
+    assert events[1] == {
+        "error": {"message": "CUDA out of memory", "type": "engine_error", "param": None, "code": None}
+    }
     assert len(events) == 2
 
 
@@ -333,10 +402,16 @@ async def test_engine_refusal_before_first_token_is_an_http_error() -> None:
     async with make_client(engine) as client:
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
         assert r.status_code == 400
-        assert r.json()["error"] == {"message": "prompt is longer than the context (9000 > 2048)",
-                                     "type": "invalid_request_error", "param": "prompt", "code": None}
+        assert r.json()["error"] == {
+            "message": "prompt is longer than the context (9000 > 2048)",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": None,
+        }
         engine.script = script_of([EngineFailure("engine died")])
-        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        r = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 500 and r.json()["error"]["type"] == "engine_error"
 
 
@@ -345,9 +420,19 @@ async def test_engine_refusal_before_first_token_is_an_http_error() -> None:
 
 async def test_chat_stream_role_first_and_finish_once() -> None:
     engine = FakeEngineClient()
-    events = await stream(engine, "/v1/chat/completions", {
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        "n": 2, "max_completion_tokens": 2, "stream_options": {"include_usage": True}})
+    events = await stream(
+        engine,
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            ],
+            "n": 2,
+            "max_completion_tokens": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -357,17 +442,25 @@ async def test_chat_stream_role_first_and_finish_once() -> None:
         assert "".join(p["delta"]["content"] for p in parts) == f"s{index}t0 s{index}t1 "
         assert [p["finish_reason"] for p in parts] == [None, "length"]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
-    assert engine.calls[0].prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                                      "<|im_start|>assistant\n")
+    assert engine.calls[0].prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert engine.calls[0].params.max_tokens == 2
 
 
 async def test_chat_non_streaming_with_logprobs() -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
-        r = await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2,
-            "max_tokens": 2})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "logprobs": True,
+                "top_logprobs": 2,
+                "max_tokens": 2,
+            },
+        )
     body = r.json()
     assert r.status_code == 200 and body["object"] == "chat.completion"
     choice = body["choices"][0]
@@ -387,21 +480,30 @@ async def test_chat_defaults_and_rules() -> None:
     async with make_client(engine, Settings(chat_default_max_tokens=None)) as client:
         assert (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})).status_code == 200
         assert engine.calls[-1].params.max_tokens is None  # up to the context
-        for extra, param in [({"top_logprobs": 2}, "top_logprobs"),
-                             ({"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
-                             ({"response_format": {"type": "json_xml"}}, "response_format.type"),
-                             ({"tools": [{"type": "function"}]}, "tools.0.function"),
-                             ({"tool_choice": "required"}, "tool_choice"),
-                             ({"temperature": 500}, "temperature")]:
+        for extra, param in [
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
+            ({"response_format": {"type": "json_xml"}}, "response_format.type"),
+            ({"tools": [{"type": "function"}]}, "tools.0.function"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"temperature": 500}, "temperature"),
+        ]:
             r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, **extra})
             assert r.status_code == 400, extra
             assert r.json()["error"]["param"] == param, r.json()
         r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "", "content": "x"}]})
         assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
-        r = await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.image_url"
-        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": None}]})
+        r = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": None}]}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"  # not `content.str`
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1.5]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.json()
@@ -417,8 +519,10 @@ async def test_unknown_fields_are_400_naming_them() -> None:
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "suffix"
         assert "suffix" in error["message"] and "foo" in error["message"]
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
-                                                        "stream_options": {"include_usage": True, "bogus": 1}})
+        r = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True, "bogus": 1}},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.bogus"
         r = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400
@@ -426,14 +530,20 @@ async def test_unknown_fields_are_400_naming_them() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "caf\ud800"}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt.1"),
-    ("/v1/completions", {"prompt": "ok", "stop": ["a", "b\ud83d"]}, "stop.1"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     "messages.0.content.0.text"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "caf\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt.1"),
+        ("/v1/completions", {"prompt": "ok", "stop": ["a", "b\ud83d"]}, "stop.1"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content.0.text",
+        ),
+    ],
+)
 async def test_lone_surrogates_are_400_naming_the_field(path, body, param) -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
@@ -447,16 +557,19 @@ async def test_lone_surrogates_are_400_naming_the_field(path, body, param) -> No
         assert (await client.post(path, content=ok, headers={"content-type": "application/json"})).status_code == 200
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"best_of": 3, "n": 2}, "best_of"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"prompt": []}, "prompt"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"best_of": 3, "n": 2}, "best_of"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt": []}, "prompt"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 async def test_invalid_values_are_400(body: dict[str, Any], param: str) -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
@@ -469,11 +582,30 @@ async def test_invalid_values_are_400(body: dict[str, Any], param: str) -> None:
 async def test_sampling_params_reach_the_engine() -> None:
     engine = FakeEngineClient()
     async with make_client(engine) as client:
-        r = await client.post("/v1/completions", json={
-            "model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 2, "temperature": 0, "top_p": 0.9,
-            "top_k": 5, "min_p": 0.1, "seed": 7, "stop": "END", "stop_token_ids": [2], "presence_penalty": 0.5,
-            "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"10": -100, "3": 5},
-            "ignore_eos": True, "include_stop_str_in_output": True, "best_of": 1, "user": "u1"})
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "x",
+                "max_tokens": 4,
+                "min_tokens": 2,
+                "temperature": 0,
+                "top_p": 0.9,
+                "top_k": 5,
+                "min_p": 0.1,
+                "seed": 7,
+                "stop": "END",
+                "stop_token_ids": [2],
+                "presence_penalty": 0.5,
+                "frequency_penalty": -0.5,
+                "repetition_penalty": 1.1,
+                "logit_bias": {"10": -100, "3": 5},
+                "ignore_eos": True,
+                "include_stop_str_in_output": True,
+                "best_of": 1,
+                "user": "u1",
+            },
+        )
     assert r.status_code == 200, r.text
     p = engine.calls[0].params
     assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (4, 2, 0.0, 0.9, 5, 0.1, 7)
@@ -484,16 +616,40 @@ async def test_sampling_params_reach_the_engine() -> None:
 
 async def test_null_fields_mean_defaults() -> None:
     engine = FakeEngineClient()
-    nulls = dict.fromkeys(["n", "temperature", "top_p", "stop", "logit_bias", "seed", "stream", "stream_options", "user",
-                           "ignore_eos", "skip_special_tokens", "max_tokens"])
+    nulls = dict.fromkeys(
+        [
+            "n",
+            "temperature",
+            "top_p",
+            "stop",
+            "logit_bias",
+            "seed",
+            "stream",
+            "stream_options",
+            "user",
+            "ignore_eos",
+            "skip_special_tokens",
+            "max_tokens",
+        ]
+    )
     async with make_client(engine) as client:
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": None, "logprobs": None,
-                                                        "best_of": None, **nulls})
+        r = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "echo": None, "logprobs": None, "best_of": None, **nulls},
+        )
         assert r.status_code == 200, r.text
-        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                             "logprobs": None, "top_logprobs": None,
-                                                             "max_completion_tokens": None, "response_format": None,
-                                                             **nulls})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "logprobs": None,
+                "top_logprobs": None,
+                "max_completion_tokens": None,
+                "response_format": None,
+                **nulls,
+            },
+        )
         assert r.status_code == 200, r.text
     assert engine.calls[0].params == engine.calls[0].params.__class__(max_tokens=16)
     assert engine.calls[1].params.n == 1 and engine.calls[1].params.skip_special_tokens
@@ -517,9 +673,10 @@ async def test_unknown_model_404_and_unreachable_503() -> None:
         assert r.status_code == 404 and "error" in r.json()
     down = FakeEngineClient(available=False)
     async with make_client(down) as client:
-        for path, body in [("/v1/completions", {"model": MODEL, "prompt": "x"}),
-                           ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                     "stream": True})]:
+        for path, body in [
+            ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}),
+        ]:
             r = await client.post(path, json=body)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert (await client.get("/v1/models")).status_code == 503
@@ -540,8 +697,9 @@ async def test_api_key() -> None:
     async with make_client(FakeEngineClient(), Settings(api_key="sekrit")) as client:
         r = await client.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
-                              headers={"Authorization": "Bearer wrong"})
+        r = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
         r = await client.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200
@@ -550,8 +708,9 @@ async def test_api_key() -> None:
 
 async def test_cors() -> None:
     async with make_client(FakeEngineClient(), Settings(cors_origins=("http://ui.example",))) as client:
-        r = await client.options("/v1/models", headers={"Origin": "http://ui.example",
-                                                         "Access-Control-Request-Method": "GET"})
+        r = await client.options(
+            "/v1/models", headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "GET"}
+        )
     assert r.headers["access-control-allow-origin"] == "http://ui.example"
 
 
@@ -600,10 +759,20 @@ async def _asgi_post(app, path: str, body: dict[str, Any], disconnect_after_firs
         if message["type"] == "http.response.body" and message.get("body") and disconnect_after_first_body:
             gone.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("test", 80),
+    }
     task = asyncio.create_task(app(scope, receive, send))
     if not disconnect_after_first_body:
         await asyncio.sleep(0.1)
@@ -616,8 +785,12 @@ async def _asgi_post(app, path: str, body: dict[str, Any], disconnect_after_firs
 async def test_client_disconnect_cancels_engine_request(streaming: bool) -> None:
     engine = FakeEngineClient(_slow_script)
     app = create_app(engine, Settings())
-    sent = await _asgi_post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 50,
-                                                     "stream": streaming}, disconnect_after_first_body=streaming)
+    sent = await _asgi_post(
+        app,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": streaming},
+        disconnect_after_first_body=streaming,
+    )
     await asyncio.sleep(0.05)
     assert len(engine.calls) == 1
     assert engine.cancelled == [engine.calls[0].request_id]
@@ -625,7 +798,6 @@ async def test_client_disconnect_cancels_engine_request(streaming: bool) -> None
     assert b"t49" not in bodies
     metrics = app.state.metrics.render().decode()
     assert _metric(metrics, "frontend_requests_in_flight") == 0
-
 
 
 async def test_oversized_bodies_get_413_before_parsing() -> None:
@@ -651,6 +823,7 @@ async def test_draining_refuses_new_work_and_ends_what_outlives_the_grace_period
     engine = FakeEngineClient(slow)
     app = create_app(engine, Settings(shutdown_grace_s=0.3))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+
         async def stream_events() -> list[Any]:
             r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
             return parse_sse(r.text)

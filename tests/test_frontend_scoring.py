@@ -26,10 +26,14 @@ def fake_prompt_logprobs(ids: list[int], k: int) -> PromptLogprobs:
     """Made-up but well-formed scores of a real tokenization (the engine's are tested in test_prompt_logprobs)."""
     tops = [tuple((t + j) % TOKENIZER.vocab_size for j in range(k)) for t in ids[1:]]
     return PromptLogprobs(
-        token_ids=tuple(ids), token_texts=tuple(TOKENIZER.token_text(t) for t in ids),
-        logprobs=tuple(-0.5 * (i + 1) for i in range(len(ids) - 1)), ranks=tuple(1 + i % 3 for i in range(len(ids) - 1)),
-        top_token_ids=tuple(tops), top_logprobs=tuple(tuple(-0.25 * (j + 1) for j in range(k)) for _ in tops),
-        top_token_texts=tuple(tuple(TOKENIZER.token_text(t) for t in top) for top in tops))
+        token_ids=tuple(ids),
+        token_texts=tuple(TOKENIZER.token_text(t) for t in ids),
+        logprobs=tuple(-0.5 * (i + 1) for i in range(len(ids) - 1)),
+        ranks=tuple(1 + i % 3 for i in range(len(ids) - 1)),
+        top_token_ids=tuple(tops),
+        top_logprobs=tuple(tuple(-0.25 * (j + 1) for j in range(k)) for _ in tops),
+        top_token_texts=tuple(tuple(TOKENIZER.token_text(t) for t in top) for top in tops),
+    )
 
 
 def scoring_script(prompt: str | list[int], params: SamplingParams) -> list[Any]:
@@ -57,8 +61,11 @@ async def post(eng: FakeEngineClient, path: str, body: dict[str, Any], status: i
 
 async def test_echo_with_logprobs_scores_the_prompt_like_openai_legacy() -> None:
     eng = engine()
-    body = await post(eng, "/v1/completions", {"model": MODEL, "prompt": "The cat sat", "echo": True,
-                                               "logprobs": 1, "max_tokens": 2, "temperature": 0})
+    body = await post(
+        eng,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "The cat sat", "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0},
+    )
     assert eng.calls[0].params.prompt_logprobs == 1 and eng.calls[0].params.max_tokens == 2
     ids = TOKENIZER.encode("The cat sat")
     choice = body["choices"][0]
@@ -66,7 +73,7 @@ async def test_echo_with_logprobs_scores_the_prompt_like_openai_legacy() -> None
     assert choice["text"] == "The cat sat" + "s0t0 s0t1 "
     assert lp["tokens"] == [TOKENIZER.token_text(t) for t in ids] + ["s0t0 ", "s0t1 "]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:len(ids)] == [-0.5 * (i + 1) for i in range(len(ids) - 1)]
+    assert lp["token_logprobs"][1 : len(ids)] == [-0.5 * (i + 1) for i in range(len(ids) - 1)]
     assert lp["top_logprobs"][1] == {TOKENIZER.token_text(ids[1]): -0.5}  # its one alternative is itself
     texts = [TOKENIZER.token_text(t) for t in ids] + ["s0t0 ", "s0t1 "]
     assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
@@ -77,8 +84,19 @@ async def test_lm_eval_loglikelihood_request_with_token_id_prompts() -> None:
     """lm-eval's payload: token-id prompts, echo, logprobs 1, max_tokens 1, temperature 0."""
     eng = engine()
     prompts = [TOKENIZER.encode("Paris is the capital of France"), TOKENIZER.encode("2 + 2 = 4")]
-    body = await post(eng, "/v1/completions", {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1,
-                                               "max_tokens": 1, "temperature": 0, "seed": 1234})
+    body = await post(
+        eng,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompts,
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 1,
+            "temperature": 0,
+            "seed": 1234,
+        },
+    )
     for i, ids in enumerate(prompts):
         choice = body["choices"][i]
         assert choice["index"] == i and choice["text"].startswith(TOKENIZER.decode(ids, skip_special_tokens=False))
@@ -90,16 +108,20 @@ async def test_lm_eval_loglikelihood_request_with_token_id_prompts() -> None:
 
 async def test_max_tokens_zero_with_echo_returns_the_scored_prompt_only() -> None:
     eng = engine()
-    body = await post(eng, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "echo": True,
-                                               "logprobs": 0, "max_tokens": 0})
+    body = await post(
+        eng, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "echo": True, "logprobs": 0, "max_tokens": 0}
+    )
     assert eng.calls[0].params.max_tokens == 1  # the engine runs one step; none of it is shown
     ids = TOKENIZER.encode("Hello world")
     choice = body["choices"][0]
     assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["tokens"] == [TOKENIZER.token_text(t) for t in ids]
     assert body["usage"]["completion_tokens"] == 0
-    events = await stream(engine(), "/v1/completions", {"prompt": "Hello world", "echo": True, "max_tokens": 0,
-                                                        "stream_options": {"include_usage": True}})
+    events = await stream(
+        engine(),
+        "/v1/completions",
+        {"prompt": "Hello world", "echo": True, "max_tokens": 0, "stream_options": {"include_usage": True}},
+    )
     assert "".join(c["choices"][0]["text"] for c in events if c["choices"]) == "Hello world"
     assert events[-1]["usage"]["completion_tokens"] == 0
     error = await post(engine(), "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400)
@@ -120,8 +142,9 @@ async def test_streamed_echo_with_logprobs_equals_the_whole_response() -> None:
 
 async def test_prompt_logprobs_in_vllm_shape() -> None:
     eng = engine()
-    body = await post(eng, "/v1/completions", {"model": MODEL, "prompt": "a b c", "prompt_logprobs": 2,
-                                               "max_tokens": 1, "n": 2})
+    body = await post(
+        eng, "/v1/completions", {"model": MODEL, "prompt": "a b c", "prompt_logprobs": 2, "max_tokens": 1, "n": 2}
+    )
     ids = TOKENIZER.encode("a b c")
     for choice in body["choices"]:
         pl = choice["prompt_logprobs"]
@@ -129,11 +152,16 @@ async def test_prompt_logprobs_in_vllm_shape() -> None:
         entry = pl[1]
         assert entry[str(ids[1])] == {"logprob": -0.5, "rank": 1, "decoded_token": TOKENIZER.token_text(ids[1])}
         assert entry[str(ids[1] + 1)]["rank"] == 2  # the second alternative (the first is the token itself)
-    chat = await post(engine(), "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                         "prompt_logprobs": 0, "max_tokens": 1})
+    chat = await post(
+        engine(),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 1},
+    )
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
-    for path, extra in (("/v1/completions", {"prompt": "x"}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, extra in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         error = await post(engine(), path, {"model": MODEL, "prompt_logprobs": 1, "stream": True, **extra}, 400)
         assert error["error"]["param"] == "prompt_logprobs"
         error = await post(engine(), path, {"model": MODEL, "prompt_logprobs": 21, **extra}, 400)
@@ -145,33 +173,57 @@ async def test_prompt_logprobs_in_vllm_shape() -> None:
 
 async def test_return_token_ids_sends_the_prompt_as_ids_and_returns_both() -> None:
     eng = engine()
-    body = await post(eng, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 2,
-                                               "return_token_ids": True})
+    body = await post(
+        eng, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "return_token_ids": True}
+    )
     ids = TOKENIZER.encode("Hello there")
     assert eng.calls[0].prompt == ids  # the ids returned are the ones the engine ran
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 2
-    events = await stream(engine(), "/v1/completions", {"prompt": "Hello there", "max_tokens": 2,
-                                                        "return_token_ids": True})
+    events = await stream(
+        engine(), "/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "return_token_ids": True}
+    )
     parts = by_choice(events)[0]
     assert parts[0]["prompt_token_ids"] == ids and "prompt_token_ids" not in parts[1]
     assert [t for p in parts for t in p["token_ids"]] == choice["token_ids"]
-    chat = await post(engine(), "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                         "max_tokens": 2, "return_token_ids": True})
+    chat = await post(
+        engine(),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "return_token_ids": True},
+    )
     assert chat["prompt_token_ids"] == TOKENIZER.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert len(chat["choices"][0]["token_ids"]) == 2
 
 
 async def test_return_tokens_as_token_ids_names_every_token_by_id() -> None:
-    body = await post(engine(), "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "logprobs": 1,
-                                                    "echo": True, "return_tokens_as_token_ids": True})
+    body = await post(
+        engine(),
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Hi",
+            "max_tokens": 2,
+            "logprobs": 1,
+            "echo": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     lp = body["choices"][0]["logprobs"]
     assert all(t.startswith("token_id:") for t in lp["tokens"])
     assert lp["tokens"][0] == f"token_id:{TOKENIZER.encode('Hi')[0]}"
     assert all(key.startswith("token_id:") for entry in lp["top_logprobs"][1:] for key in entry)
-    chat = await post(engine(), "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                         "max_tokens": 1, "logprobs": True, "top_logprobs": 1,
-                                                         "return_tokens_as_token_ids": True})
+    chat = await post(
+        engine(),
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     content = chat["choices"][0]["logprobs"]["content"][0]
     assert content["token"].startswith("token_id:") and content["top_logprobs"][0]["token"].startswith("token_id:")
 
@@ -186,8 +238,9 @@ async def test_tokenize_detokenize_and_tokenizer_info() -> None:
     assert body["tokens"] == TOKENIZER.encode(text) and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == SCORED.max_model_len
     assert body["token_strs"] == [TOKENIZER.token_text(t) for t in body["tokens"]]
-    assert (await post(eng, "/tokenize", {"prompt": "test", "add_special_tokens": False}))["tokens"] == \
-        TOKENIZER.encode("test")  # model left out: the one served
+    assert (await post(eng, "/tokenize", {"prompt": "test", "add_special_tokens": False}))[
+        "tokens"
+    ] == TOKENIZER.encode("test")  # model left out: the one served
     chat = await post(eng, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
     assert chat["tokens"] == TOKENIZER.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert (await post(eng, "/detokenize", {"tokens": body["tokens"]}))["prompt"] == text
@@ -208,34 +261,67 @@ async def test_tokenize_detokenize_and_tokenizer_info() -> None:
 async def test_chat_template_controls() -> None:
     eng = engine()
     msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi the"}]
-    body = await post(eng, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "echo": True,
-                                                    "continue_final_message": True, "add_generation_prompt": False})
+    body = await post(
+        eng,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": msgs,
+            "max_tokens": 2,
+            "echo": True,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    )
     assert eng.calls[0].prompt == "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHi the"
     assert body["choices"][0]["message"]["content"] == "Hi the" + "s0t0 s0t1 "
-    await post(eng, "/v1/chat/completions", {"model": MODEL, "messages": msgs[:1], "max_tokens": 1,
-                                             "add_generation_prompt": False})
+    await post(
+        eng,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs[:1], "max_tokens": 1, "add_generation_prompt": False},
+    )
     assert eng.calls[1].prompt == "<|im_start|>user\nSay hi<|im_end|>\n"
-    error = await post(eng, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "continue_final_message": True}, 400)
+    error = await post(
+        eng, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "continue_final_message": True}, 400
+    )
     assert error["error"]["param"] == "continue_final_message"
-    await post(eng, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
-                                             "messages": [{"role": "robot", "content": "beep"},
-                                                          {"role": "developer", "content": "be kind"}]})
+    await post(
+        eng,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "robot", "content": "beep"}, {"role": "developer", "content": "be kind"}],
+        },
+    )
     assert eng.calls[2].prompt.startswith("<|im_start|>robot\nbeep<|im_end|>\n<|im_start|>system\nbe kind")
     kwargs_model = dataclasses.replace(SCORED, chat_template="{{ greeting }} {{ messages[0]['content'] }}")
     eng = FakeEngineClient(scoring_script, models=(kwargs_model,))
-    await post(eng, "/v1/chat/completions", {"model": MODEL, "messages": msgs[:1], "max_tokens": 1,
-                                             "chat_template_kwargs": {"greeting": "Hello"}})
+    await post(
+        eng,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs[:1], "max_tokens": 1, "chat_template_kwargs": {"greeting": "Hello"}},
+    )
     assert eng.calls[0].prompt == "Hello Say hi"
-    stream_events = await stream(engine(), "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "echo": True,
-                                                                    "continue_final_message": True,
-                                                                    "add_generation_prompt": False})
+    stream_events = await stream(
+        engine(),
+        "/v1/chat/completions",
+        {
+            "messages": msgs,
+            "max_tokens": 1,
+            "echo": True,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    )
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in stream_events) == "Hi thes0t0 "
 
 
 async def test_invocations_dispatch_and_version() -> None:
     eng = engine()
-    chat = await post(eng, "/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                            "max_tokens": 1})
+    chat = await post(
+        eng, "/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    )
     assert chat["object"] == "chat.completion"
     completion = await post(eng, "/invocations", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
     assert completion["object"] == "text_completion"

@@ -28,9 +28,9 @@ from openai_frontend.errors import (
     ModelNotFound,
     from_engine_message,
 )
-from tests.fake_engine import CHATML_TEMPLATE, scripted_steps
 from openai_frontend.settings import Settings
 from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build_request, decode_response
+from tests.fake_engine import CHATML_TEMPLATE, scripted_steps
 
 pytestmark = pytest.mark.asyncio
 
@@ -54,24 +54,59 @@ def encode_step(out: StepOutput, final: bool | None = None) -> service_pb2.Model
 
 
 def _lp(texts: list[str], k: int) -> TokenLogprobs:
-    return TokenLogprobs(tuple(-0.25 * (i + 1) for i in range(len(texts))), tuple(texts),
-                         tuple(tuple(range(10, 10 + k)) for _ in texts),
-                         tuple(tuple(-1.0 - j for j in range(k)) for _ in texts),
-                         tuple(tuple(f"alt{j}\u00e9" for j in range(k)) for _ in texts))
+    return TokenLogprobs(
+        tuple(-0.25 * (i + 1) for i in range(len(texts))),
+        tuple(texts),
+        tuple(tuple(range(10, 10 + k)) for _ in texts),
+        tuple(tuple(-1.0 - j for j in range(k)) for _ in texts),
+        tuple(tuple(f"alt{j}\u00e9" for j in range(k)) for _ in texts),
+    )
 
 
-@pytest.mark.parametrize("out", [
-    StepOutput("r", 1, 4, (5, 6), "h\u00e9\U0001f600", _lp(["h\u00e9", "\U0001f600"], 2), None, None, 7, 5),
-    StepOutput("r", 0, 0, (9,), "", _lp([""], 0), FinishReason.STOP, 9, 3, 1, True),
-    StepOutput("r", 0, 2, (), "", _lp([], 3), FinishReason.ABORT, None, 3, 2, True),
-    StepOutput("r", 2, 3, (4,), " end", None, FinishReason.STOP, "end", 3, 4),
-    StepOutput("r", 0, 1, (4, 5, 6), "abc", None, FinishReason.LENGTH, None, 3, 16),
-    StepOutput("r", 1, 0, (7,), "x", _lp(["x"], 1), None, None, 3, 1, prompt_logprobs=PromptLogprobs(
-        (1, 2, 3), ("<s>", " h\u00e9", "!"), (-1.5, -0.25), (4, 1), ((8, 9), (2, 8)), ((-0.5, -1.0), (-0.25, -2.0)),
-        (("a", "b"), (" h\u00e9", "a")))),
-    StepOutput("r", 0, 0, (7,), "x", None, None, None, 1, 1, prompt_logprobs=PromptLogprobs(
-        (5,), ("only",), (), (), (), (), ())),
-])
+@pytest.mark.parametrize(
+    "out",
+    [
+        StepOutput("r", 1, 4, (5, 6), "h\u00e9\U0001f600", _lp(["h\u00e9", "\U0001f600"], 2), None, None, 7, 5),
+        StepOutput("r", 0, 0, (9,), "", _lp([""], 0), FinishReason.STOP, 9, 3, 1, True),
+        StepOutput("r", 0, 2, (), "", _lp([], 3), FinishReason.ABORT, None, 3, 2, True),
+        StepOutput("r", 2, 3, (4,), " end", None, FinishReason.STOP, "end", 3, 4),
+        StepOutput("r", 0, 1, (4, 5, 6), "abc", None, FinishReason.LENGTH, None, 3, 16),
+        StepOutput(
+            "r",
+            1,
+            0,
+            (7,),
+            "x",
+            _lp(["x"], 1),
+            None,
+            None,
+            3,
+            1,
+            prompt_logprobs=PromptLogprobs(
+                (1, 2, 3),
+                ("<s>", " h\u00e9", "!"),
+                (-1.5, -0.25),
+                (4, 1),
+                ((8, 9), (2, 8)),
+                ((-0.5, -1.0), (-0.25, -2.0)),
+                (("a", "b"), (" h\u00e9", "a")),
+            ),
+        ),
+        StepOutput(
+            "r",
+            0,
+            0,
+            (7,),
+            "x",
+            None,
+            None,
+            None,
+            1,
+            1,
+            prompt_logprobs=PromptLogprobs((5,), ("only",), (), (), (), (), ()),
+        ),
+    ],
+)
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out
 
@@ -96,7 +131,9 @@ async def test_build_request() -> None:
     request = build_request("llm", "Hello \u00e9", params, "req-1")
     assert request.model_name == "llm" and request.id == "req-1"
     assert [(i.name, i.datatype, list(i.shape)) for i in request.inputs] == [
-        ("text_input", "BYTES", [1]), ("sampling_params", "BYTES", [1])]
+        ("text_input", "BYTES", [1]),
+        ("sampling_params", "BYTES", [1]),
+    ]
     assert deserialize_bytes_tensor(request.raw_input_contents[0])[0].decode() == "Hello \u00e9"
     sent = deserialize_bytes_tensor(request.raw_input_contents[1])[0].decode()
     assert SamplingParams.from_json(sent) == params
@@ -110,11 +147,20 @@ async def test_engine_error_messages() -> None:
     e = from_engine_message(json.dumps({"type": "invalid_request_error", "message": "too long", "param": "prompt"}))
     assert isinstance(e, InvalidRequest) and (e.message, e.param, e.status_code) == ("too long", "prompt", 400)
     assert e.code is None
-    e = from_engine_message(json.dumps({"type": "invalid_request_error", "message": "too long", "param": "max_tokens",
-                                        "code": "context_length_exceeded"}))
+    e = from_engine_message(
+        json.dumps(
+            {
+                "type": "invalid_request_error",
+                "message": "too long",
+                "param": "max_tokens",
+                "code": "context_length_exceeded",
+            }
+        )
+    )
     assert isinstance(e, InvalidRequest) and (e.param, e.code) == ("max_tokens", "context_length_exceeded")
-    e = from_engine_message("Failed to process the request: " + json.dumps({"type": "engine_error", "message": "oom",
-                                                                            "param": None}))
+    e = from_engine_message(
+        "Failed to process the request: " + json.dumps({"type": "engine_error", "message": "oom", "param": None})
+    )
     assert isinstance(e, EngineFailure) and e.message == "oom" and e.status_code == 500
     e = from_engine_message("segfault {not json}")
     assert isinstance(e, EngineFailure) and e.message == "segfault {not json}"
@@ -145,20 +191,23 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.instance: str | list[str] | None = "engine-1"
         self.probes = 0
 
-    async def ServerReady(self, request, context):  # noqa: N802 - gRPC method names
+    async def ServerReady(self, request, context):
         return service_pb2.ServerReadyResponse(ready=True)
 
-    async def RepositoryIndex(self, request, context):  # noqa: N802
-        return service_pb2.RepositoryIndexResponse(models=[
-            service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state=state)
-            for name, (state, _) in self.models.items()])
+    async def RepositoryIndex(self, request, context):
+        return service_pb2.RepositoryIndexResponse(
+            models=[
+                service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state=state)
+                for name, (state, _) in self.models.items()
+            ]
+        )
 
-    async def ModelConfig(self, request, context):  # noqa: N802
+    async def ModelConfig(self, request, context):
         if request.name not in self.models:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{request.name}' is not found")
         return service_pb2.ModelConfigResponse(config=_config(request.name, self.models[request.name][1]))
 
-    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:  # noqa: N802
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         try:  # one request per call, as our client sends; returning ends the call
             request = await anext(request_iterator.__aiter__())
             if any(i.name == "health_probe" for i in request.inputs):
@@ -174,7 +223,6 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
-
 
     def _probe_answer(self, model: str) -> service_pb2.ModelStreamInferResponse:
         if self.instance is None:
@@ -193,7 +241,9 @@ def ok(out: StepOutput, final: bool | None = None) -> service_pb2.ModelStreamInf
 
 
 def fail(kind: str, message: str, param: str | None = None) -> service_pb2.ModelStreamInferResponse:
-    return service_pb2.ModelStreamInferResponse(error_message=json.dumps({"type": kind, "message": message, "param": param}))
+    return service_pb2.ModelStreamInferResponse(
+        error_message=json.dumps({"type": kind, "message": message, "param": param})
+    )
 
 
 @pytest.fixture
@@ -207,7 +257,9 @@ async def triton() -> AsyncIterator[tuple[FakeTriton, str]]:
     await server.stop(grace=None)
 
 
-async def _collect(client: TritonEngineClient, prompt: Any = "hi", params: SamplingParams | None = None) -> list[StepOutput]:
+async def _collect(
+    client: TritonEngineClient, prompt: Any = "hi", params: SamplingParams | None = None
+) -> list[StepOutput]:
     return [out async for out in client.generate("llm", prompt, params or SamplingParams(n=2), "req-7")]
 
 
@@ -223,8 +275,10 @@ async def test_generate_streams_until_final(triton) -> None:
         request = server.requests[0]
         assert request.id == "req-7" and request.parameters[EMPTY_FINAL].bool_param
         # The same, ending with an empty (flags-only) final response.
-        server.responder = lambda request: [*(ok(s, final=False) for s in steps),
-                                            service_pb2.ModelStreamInferResponse(infer_response=_empty_final())]
+        server.responder = lambda request: [
+            *(ok(s, final=False) for s in steps),
+            service_pb2.ModelStreamInferResponse(infer_response=_empty_final()),
+        ]
         outs = await _collect(client)
         assert [o.text_delta for o in outs] == ["a", "c", "b"] and not outs[-1].request_finished
     finally:
@@ -324,9 +378,18 @@ async def test_app_over_grpc(triton) -> None:
     server.responder = respond
     app = create_app(TritonEngineClient(url), Settings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-        r = await http.post("/v1/chat/completions", json={
-            "model": "llm", "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True,
-            "logprobs": True, "top_logprobs": 1, "stream_options": {"include_usage": True}})
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "llm",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "n": 2,
+                "stream": True,
+                "logprobs": True,
+                "top_logprobs": 1,
+                "stream_options": {"include_usage": True},
+            },
+        )
         events = [line[6:] for line in r.text.split("\n\n") if line]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
@@ -334,7 +397,9 @@ async def test_app_over_grpc(triton) -> None:
         assert chunks[-1]["usage"]["completion_tokens"] == 4
         texts: dict[int, str] = {}
         for c in chunks[2:-1]:
-            texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + c["choices"][0]["delta"]["content"]
+            texts[c["choices"][0]["index"]] = (
+                texts.get(c["choices"][0]["index"], "") + c["choices"][0]["delta"]["content"]
+            )
         assert texts == {0: "Hello", 1: "Hello"}
         prompt = deserialize_bytes_tensor(server.requests[0].raw_input_contents[0])[0].decode()
         assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -402,8 +467,9 @@ async def test_an_engine_restarted_between_probes_ends_the_streams_it_had(triton
 async def test_not_healthy_from_a_request_marks_the_model_down_and_the_app_says_503(triton) -> None:
     server, url = triton
     server.instance = None
-    server.responder = lambda request: [service_pb2.ModelStreamInferResponse(
-        error_message="Stub process 'llm_0_0' is not healthy.")]
+    server.responder = lambda request: [
+        service_pb2.ModelStreamInferResponse(error_message="Stub process 'llm_0_0' is not healthy.")
+    ]
     app = create_app(TritonEngineClient(url, probe_interval_s=0.05), Settings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
         r = await http.post("/v1/completions", json={"model": "llm", "prompt": "x"})

@@ -31,10 +31,10 @@ if not ON_CUDA:
 
 pytest.importorskip("triton")
 
-from kernels.paged_attention import choose_num_splits, paged_attention_decode
-from kernels.paged_prefill import paged_prefill
-from kernels.reference import paged_attention_decode_ref, paged_prefill_ref, store_kv_ref
-from kernels.store_kv import store_kv
+from kernels.paged_attention import choose_num_splits, paged_attention_decode  # noqa: E402
+from kernels.paged_prefill import paged_prefill  # noqa: E402
+from kernels.reference import paged_attention_decode_ref, paged_prefill_ref, store_kv_ref  # noqa: E402
+from kernels.store_kv import store_kv  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 

@@ -48,8 +48,12 @@ class PagedDriver:
         self.model, self.num_seqs, self.block_size = model, num_seqs, block_size
         self.blocks_per_seq = math.ceil(max_len / block_size)
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, num_seqs * self.blocks_per_seq, block_size,
-            cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+            cfg.num_hidden_layers,
+            num_seqs * self.blocks_per_seq,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            torch.float32,
         )
         self.cached = [0] * num_seqs  # tokens of each sequence already in the cache
 
@@ -67,8 +71,10 @@ class PagedDriver:
                 num_decode += 1
             ids += tokens
             positions += range(start, start + len(tokens))
-            slots += [self.block(seq, p // self.block_size) * self.block_size + p % self.block_size
-                      for p in range(start, start + len(tokens))]
+            slots += [
+                self.block(seq, p // self.block_size) * self.block_size + p % self.block_size
+                for p in range(start, start + len(tokens))
+            ]
             seq_lens.append(start + len(tokens))
             qsl.append(qsl[-1] + len(tokens))
             tables.append([self.block(seq, i) for i in range(self.blocks_per_seq)])
@@ -139,8 +145,16 @@ def random_hf_state_dict(config: LlamaConfig, seed: int) -> dict[str, torch.Tens
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3, head_dim=8,
-            max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000.0)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    head_dim=8,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000.0,
+)
 
 
 @pytest.mark.parametrize(
@@ -232,8 +246,9 @@ def test_smollm2_engine_prompt_logprobs_match_hf(smollm2_runs):
     """The served engine's prompt logprobs (chunked prefill, all five prompts in one batch) against
     transformers' log_softmax over each whole prompt."""
     ckpt, _, _ = smollm2_runs
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=32, num_kv_blocks=64, block_size=16, num_threads=1),
-                       checkpoint=ckpt)
+    engine = LLMEngine(
+        EngineConfig(max_num_batched_tokens=32, num_kv_blocks=64, block_size=16, num_threads=1), checkpoint=ckpt
+    )
     prompts = [ckpt.tokenizer.encode(p) for p in PROMPTS]
     for i, ids in enumerate(prompts):
         engine.add_request(engine.make_request(f"p{i}", ids, SamplingParams(max_tokens=1, prompt_logprobs=2)))

@@ -62,10 +62,17 @@ print(os.environ.get("GOMP_SPINCOUNT"), loaded_before, "torch" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("env, spincount", [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
-                                            ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")])
+@pytest.mark.parametrize(
+    "env, spincount", [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")]
+)
 def test_model_py_shortens_openmp_spinning_before_torch_loads_unless_the_user_chose(env, spincount):
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", _LOAD_MODEL_PY, str(MODEL_PY)], env={**base, **env},
-                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_MODEL_PY, str(MODEL_PY)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     assert out == [spincount, "False", "True"]  # set before model.py's imports load torch (and libgomp)

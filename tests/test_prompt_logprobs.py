@@ -13,8 +13,10 @@ from backend.types import PromptLogprobs, SamplingParams, StepOutput
 from benchmarks.hf_peer import build_hf_model
 from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_checkpoint, tiny_engine
 
-PROMPT = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the deep green forest "
-          "where nobody can find it again until the next morning.")
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog, and then it runs far away into the deep green forest "
+    "where nobody can find it again until the next morning."
+)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,13 @@ def test_preempted_while_prefilling_scores_the_same(hf_tiny):
 
 def test_one_token_prompt_and_requests_without_prompt_logprobs():
     engine = tiny_engine()
-    seqs = run(engine, {"one": ([42], SamplingParams(max_tokens=2, prompt_logprobs=3)),
-                        "off": ([42, 43], SamplingParams(max_tokens=2))})
+    seqs = run(
+        engine,
+        {
+            "one": ([42], SamplingParams(max_tokens=2, prompt_logprobs=3)),
+            "off": ([42, 43], SamplingParams(max_tokens=2)),
+        },
+    )
     pl = seqs[("one", 0)][0].prompt_logprobs
     assert pl == PromptLogprobs((42,), (engine.tokenizer.token_text(42),), (), (), (), (), ())
     assert all(m.prompt_logprobs is None for m in seqs[("off", 0)])

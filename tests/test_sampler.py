@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend import sampler as sampler_module
-from backend.sampler import Sampler, SampledToken, SamplingRow, make_generator
+from backend.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from backend.types import SamplingParams
 
 EOS = 0
@@ -108,8 +108,13 @@ def test_mixed_batch_greedy_and_random_rows():
 def test_logprobs_are_raw_whatever_the_processing():
     x = logits_for(3, 4, 300)
     params = SamplingParams(
-        temperature=0.3, top_k=5, top_p=0.8, repetition_penalty=1.5, frequency_penalty=1.0,
-        logit_bias=((11, 30.0),), logprobs=5,
+        temperature=0.3,
+        top_k=5,
+        top_p=0.8,
+        repetition_penalty=1.5,
+        frequency_penalty=1.0,
+        logit_bias=((11, 30.0),),
+        logprobs=5,
     )
     rows = [row(params, make_generator(3, i), output=(11, 12)) for i in range(4)]
     out = Sampler().sample(x, rows)
@@ -161,8 +166,14 @@ def test_logprob_of_a_token_outside_the_top_k():
 def test_processors_match_reference(seed, rep, freq, pres, min_tokens, ignore_eos, output, prompt, bias):
     V = 64  # ids up to 70: some are past the vocabulary and must be ignored
     params = SamplingParams(
-        temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
-        min_tokens=min_tokens, max_tokens=None, ignore_eos=ignore_eos, stop_token_ids=(3, 65),
+        temperature=0.0,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        min_tokens=min_tokens,
+        max_tokens=None,
+        ignore_eos=ignore_eos,
+        stop_token_ids=(3, 65),
         logit_bias=tuple(sorted(bias.items())),
     )
     rows = [row(params, prompt=prompt, output=output, eos=(EOS, 1)), row(temperature=0.0, output=output)]
@@ -375,7 +386,11 @@ def test_degenerate_logits_do_not_crash_the_batch(fill):
     """NaN or all -inf logits (a model bug) give some in-range token instead of an exception."""
     x = logits_for(10, 4, 300)
     x[1] = fill
-    rows = [row(temperature=1.0, top_p=0.9), row(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1),
-            row(temperature=0.0), row(temperature=0.7)]
+    rows = [
+        row(temperature=1.0, top_p=0.9),
+        row(temperature=1.0, top_p=0.9, top_k=5, min_p=0.1),
+        row(temperature=0.0),
+        row(temperature=0.7),
+    ]
     out = Sampler().sample(x, rows)
     assert all(0 <= t.token_id < 300 for t in out)

@@ -364,8 +364,13 @@ def test_limits_are_asserted():
 def test_random_aborts_leave_no_blocks_and_the_rest_unchanged(seed):
     rng = random.Random(100 + seed)
     reqs = [
-        Req(f"r{i}", prompt(rng.randint(1, 30), i % 3), n=rng.choice([1, 2, 3]), max_tokens=rng.randint(1, 10),
-            at_step=rng.randint(0, 10))
+        Req(
+            f"r{i}",
+            prompt(rng.randint(1, 30), i % 3),
+            n=rng.choice([1, 2, 3]),
+            max_tokens=rng.randint(1, 10),
+            at_step=rng.randint(0, 10),
+        )
         for i in range(10)
     ]
     aborts = {rng.randint(0, 25): f"r{rng.randrange(10)}" for _ in range(4)}  # step -> request id

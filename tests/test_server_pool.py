@@ -13,8 +13,8 @@ from backend.types import SamplingParams, StepOutput
 from openai_frontend import server_pool
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
-from tests.fake_engine import scripted_steps
 from openai_frontend.server_pool import ServerPool, affinity_key, rendezvous_order
+from tests.fake_engine import scripted_steps
 
 pytestmark = pytest.mark.asyncio
 
@@ -100,7 +100,9 @@ async def test_prompts_sharing_a_prefix_share_a_server_and_others_spread() -> No
     await run(pool, ids)
     await run(pool, ids[:150] + [7, 7, 7])
     assert sum(ids in s.prompts and ids[:150] + [7, 7, 7] in s.prompts for s in servers.values()) == 1
-    assert rendezvous_order(affinity_key("x"), ["a:1", "b:1"])[0] == rendezvous_order(affinity_key("x"), ["b:1", "a:1"])[0]
+    assert (
+        rendezvous_order(affinity_key("x"), ["a:1", "b:1"])[0] == rendezvous_order(affinity_key("x"), ["b:1", "a:1"])[0]
+    )
 
 
 async def test_a_much_busier_preferred_server_yields_to_the_idlest() -> None:
@@ -122,7 +124,9 @@ async def test_fail_over_before_the_first_token_ejection_and_return(monkeypatch)
     monkeypatch.setattr(server_pool, "CHECK_INTERVAL_S", 0.02)
     pool, servers = pool_of("a:1", "b:1")
     servers["a:1"].refuse, servers["a:1"].is_ready = True, False
-    prefer_a = [p for p in (f"p{i}" for i in range(100)) if rendezvous_order(affinity_key(p), ["a:1", "b:1"])[0] == "a:1"]
+    prefer_a = [
+        p for p in (f"p{i}" for i in range(100)) if rendezvous_order(affinity_key(p), ["a:1", "b:1"])[0] == "a:1"
+    ]
     for prompt in prefer_a[:6]:
         assert len(await run(pool, prompt)) == 2  # every request served, by b
     assert len(servers["b:1"].prompts) == 6

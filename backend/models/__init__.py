@@ -65,5 +65,12 @@ def build_model(config: ModelConfig, device: torch.device | str | None = None, d
     return _FAMILIES[config.architecture](config, device, dtype)
 
 
-__all__ = ["CausalLM", "LlamaConfig", "ModelConfig", "Qwen2Config", "build_model", "config_from_hf",
-           "supported_architectures"]
+__all__ = [
+    "CausalLM",
+    "LlamaConfig",
+    "ModelConfig",
+    "Qwen2Config",
+    "build_model",
+    "config_from_hf",
+    "supported_architectures",
+]

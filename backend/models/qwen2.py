@@ -32,8 +32,14 @@ class Qwen2Config(LlamaConfig):
         """A config.json transformers can load (Qwen2ForCausalLM)."""
         d = asdict(self)
         del d["qkv_bias"]
-        d.update(model_type=self.model_type, architectures=[self.architecture], hidden_act="silu", rope_scaling=None,
-                 torch_dtype="float32", use_sliding_window=False)
+        d.update(
+            model_type=self.model_type,
+            architectures=[self.architecture],
+            hidden_act="silu",
+            rope_scaling=None,
+            torch_dtype="float32",
+            use_sliding_window=False,
+        )
         return d
 
 

@@ -93,15 +93,16 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         except FrontendError as e:
             log.warning("stream ended with error: %s", e.message)
             yield f"data: {_json(e.to_dict())}\n\n"
-        except Exception as e:  # noqa: BLE001 - the client must still get an error event and [DONE]
+        except Exception as e:
             log.exception("stream failed")
             yield f"data: {_json(EngineFailure(f'internal error: {type(e).__name__}').to_dict())}\n\n"
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    return _ClosingStreamingResponse(body(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _ClosingStreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def _json(data: Any) -> str:

@@ -37,5 +37,4 @@ async def invocations(request: Request, body: dict[str, Any] = Body(...)) -> Res
         return await chat.create_chat_completion(parse_body(ChatCompletionRequest, body), request)
     if "prompt" in body:
         return await completions.create_completion(parse_body(CompletionRequest, body), request)
-    raise InvalidRequest("the body is neither a chat completion (messages) nor a completion (prompt) request",
-                         "body")
+    raise InvalidRequest("the body is neither a chat completion (messages) nor a completion (prompt) request", "body")

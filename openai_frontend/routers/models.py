@@ -13,8 +13,13 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 def _card(model: ModelInfo, created: int) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": created, "owned_by": "triton",
-            "max_model_len": model.max_model_len}
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "triton",
+        "max_model_len": model.max_model_len,
+    }
 
 
 @router.get("/v1/models")

@@ -29,8 +29,9 @@ def copy_model_repository(folder: Path, **settings: str) -> Path:
     return folder
 
 
-async def read_sse(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
-                   started_after: int = 2) -> tuple[list[str], float]:
+async def read_sse(
+    http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None, started_after: int = 2
+) -> tuple[list[str], float]:
     """The `data:` payloads of one streamed completion, and when it ended; `started` is set once
     `started_after` of them arrived."""
     events: list[str] = []

@@ -15,11 +15,18 @@ from scripts import perf_tools
 def test_genai_perf_profile(servers, tmp_path, endpoint) -> None:
     perf_tools.install(tokenizer=True)  # first use: creates .tools/ (about a minute)
     requests, output_tokens = 4, 8
-    cmd = perf_tools.genai_perf_command(servers.model, servers.frontend.url, endpoint, concurrency=2,
-                                        requests=requests, input_tokens=32, output_tokens=output_tokens,
-                                        tokenizer=perf_tools.TOKENIZER_DIR, artifact_dir=tmp_path / "artifacts")
-    result = subprocess.run(cmd, env=perf_tools.tools_env(), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=400)
+    cmd = perf_tools.genai_perf_command(
+        servers.model,
+        servers.frontend.url,
+        endpoint,
+        concurrency=2,
+        requests=requests,
+        input_tokens=32,
+        output_tokens=output_tokens,
+        tokenizer=perf_tools.TOKENIZER_DIR,
+        artifact_dir=tmp_path / "artifacts",
+    )
+    result = subprocess.run(cmd, env=perf_tools.tools_env(), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
     metrics_file, raw_file = perf_tools.genai_perf_export_files(tmp_path / "artifacts")

@@ -23,26 +23,29 @@ from tests.engine_helpers import smollm2_checkpoint
 
 pytestmark = pytest.mark.slow
 
-MC = [("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"], 0),
-      ("How many legs does a spider have?", ["six", "eight", "ten", "four"], 1),
-      ("What color is the sky on a clear day?", ["green", "red", "blue", "yellow"], 2),
-      ("Which animal says moo?", ["cat", "dog", "duck", "cow"], 3),
-      ("What is 2 + 2?", ["3", "4", "5", "22"], 1),
-      ("Water freezes at how many degrees Celsius?", ["0", "100", "50", "-40"], 0)]
+MC = [
+    ("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"], 0),
+    ("How many legs does a spider have?", ["six", "eight", "ten", "four"], 1),
+    ("What color is the sky on a clear day?", ["green", "red", "blue", "yellow"], 2),
+    ("Which animal says moo?", ["cat", "dog", "duck", "cow"], 3),
+    ("What is 2 + 2?", ["3", "4", "5", "22"], 1),
+    ("Water freezes at how many degrees Celsius?", ["0", "100", "50", "-40"], 0),
+]
 GEN = [("The capital of France is", " Paris"), ("One, two, three,", " four"), ("The opposite of hot is", " cold")]
 UNTIL = ["\n", "."]
 MAX_GEN = 12
 
 
 def write_tasks(folder: Path) -> None:
-    (folder / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
-                                             for q, c, a in MC))
+    (folder / "mc.jsonl").write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in MC)
+    )
     (folder / "gen.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GEN))
     (folder / "local_mc.yaml").write_text(f"""task: local_mc
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {folder / 'mc.jsonl'}
+    test: {folder / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
@@ -57,7 +60,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {folder / 'gen.jsonl'}
+    test: {folder / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{question}}}}"
@@ -98,7 +101,7 @@ def reference_loglikelihood(engine: LLMEngine, context: str, continuation: str) 
     whole = tok.encode(context + continuation, add_special_tokens=False)
     ctxlen = len(tok.encode(context, add_special_tokens=False))
     [first] = [o for o in run_engine(engine, whole, SamplingParams(max_tokens=1, prompt_logprobs=0)) if o.step == 0]
-    return sum(first.prompt_logprobs.logprobs[ctxlen - 1:])
+    return sum(first.prompt_logprobs.logprobs[ctxlen - 1 :])
 
 
 def test_lm_eval_matches_the_in_process_engine(servers, engine, tmp_path: Path) -> None:

@@ -65,8 +65,17 @@ def test_streamed_equals_non_streamed_seeded_sampling_with_logprobs(client, serv
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
 def test_n2_logprobs0_stream_include_usage_keeps_every_token(client, servers, max_tokens):
     texts, tokens, finish, usage, _ = stream_completion(
-        client, servers.model, prompt=PROMPT, n=2, logprobs=0, max_tokens=max_tokens, temperature=0.8, seed=5,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        client,
+        servers.model,
+        prompt=PROMPT,
+        n=2,
+        logprobs=0,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        seed=5,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(finish) == [0, 1] and set(finish.values()) == {"length"}
     assert all(len(tokens[i]) == max_tokens for i in (0, 1))
     assert usage.completion_tokens == 2 * max_tokens and usage.prompt_tokens == 5
@@ -74,15 +83,19 @@ def test_n2_logprobs0_stream_include_usage_keeps_every_token(client, servers, ma
 
 def test_chat_n2_with_top_logprobs(client, servers):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    full = client.chat.completions.create(model=servers.model, messages=messages, max_tokens=12, n=2, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(
+        model=servers.model, messages=messages, max_tokens=12, n=2, temperature=0, logprobs=True, top_logprobs=3
+    )
     assert len(full.choices) == 2
     for choice in full.choices:
         assert choice.message.role == "assistant" and "Paris" in choice.message.content
         assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
         assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
-    chunks = list(client.chat.completions.create(model=servers.model, messages=messages, max_tokens=12, n=2,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=servers.model, messages=messages, max_tokens=12, n=2, temperature=0, stream=True
+        )
+    )
     firsts = {}
     text = {0: "", 1: ""}
     for chunk in chunks:
@@ -111,7 +124,7 @@ def test_raw_sse_ends_with_done(servers):
     body = {"model": servers.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{servers.base_url}/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
 
@@ -133,14 +146,16 @@ def test_raw_sse_ends_with_done(servers):
 )
 def test_bad_input_gets_openai_error_json(servers, body, status, param, code):
     payload = json.dumps({"model": servers.model, **body})  # ASCII: a lone surrogate travels as \ud800
-    r = httpx.post(f"{servers.base_url}/completions", content=payload, timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{servers.base_url}/completions", content=payload, timeout=60, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, code), error
-    ok = httpx.post(f"{servers.base_url}/completions", json={"model": servers.model, "prompt": PROMPT, "max_tokens": 2},
-                    timeout=60)
+    ok = httpx.post(
+        f"{servers.base_url}/completions", json={"model": servers.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60
+    )
     assert ok.status_code == 200
 
 
@@ -160,9 +175,18 @@ def test_32_concurrent_streams_mixed_with_long_prompts_are_exact(servers):
         n = 1 + i % 2
         max_tokens = 8 + i % 9
         prompt = ("A long story about the sea. " * 40) if i % 4 == 0 else f"Request {i}: tell me about"
-        body = {"model": servers.model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "stream": True,
-                "logprobs": 0 if i % 3 else None, "temperature": 0.7, "seed": i, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": servers.model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "logprobs": 0 if i % 3 else None,
+            "temperature": 0.7,
+            "seed": i,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         counts, finishes, usage, done = {}, {}, None, False
         async with http.stream("POST", f"{servers.base_url}/completions", json=body) as r:
             assert r.status_code == 200

@@ -33,15 +33,23 @@ def test_perf_analyzer_streams_the_input_data(servers, tmp_path) -> None:
     perf_tools.install(tokenizer=False)  # first use: creates .tools/ (about a minute)
     requests = 2
     export = tmp_path / "export.json"
-    cmd = perf_tools.perf_analyzer_command(servers.model, servers.triton.grpc_url, concurrency=2,
-                                           requests=requests, input_data=PERF_INPUT, export=export,
-                                           csv=tmp_path / "pa.csv")
+    cmd = perf_tools.perf_analyzer_command(
+        servers.model,
+        servers.triton.grpc_url,
+        concurrency=2,
+        requests=requests,
+        input_data=PERF_INPUT,
+        export=export,
+        csv=tmp_path / "pa.csv",
+    )
     result = subprocess.run(cmd, env=perf_tools.tools_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Request concurrency: 2" in result.stdout
 
     assert export.is_file() and export.stat().st_size > 0, "empty export:\n" + result.stdout + result.stderr
-    max_tokens = SamplingParams.from_json(json.loads(PERF_INPUT.read_text())["data"][0]["sampling_params"][0]).max_tokens
+    max_tokens = SamplingParams.from_json(
+        json.loads(PERF_INPUT.read_text())["data"][0]["sampling_params"][0]
+    ).max_tokens
     (experiment,) = json.loads(export.read_text())["experiments"]
     assert len(experiment["requests"]) == requests
     for request in experiment["requests"]:

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import httpx
@@ -38,8 +37,9 @@ def own_servers(tmp_path_factory):
     logs = REPO_ROOT / "artifacts" / "test-logs"
     logs.mkdir(parents=True, exist_ok=True)
     repository = copy_model_repository(tmp_path_factory.mktemp("repository"), max_num_seqs="4", max_waiting_seqs="2")
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=repository)
+    triton = TritonServer(
+        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), model_repository=repository
+    )
     triton.start(log_path=logs / "tritonserver-resilience.log")
     frontend = Frontend(triton.grpc_url, port=free_port())
     try:
@@ -77,7 +77,9 @@ async def test_sigterm_drains_the_frontend(own_servers):
     try:
         async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
             starts = [asyncio.Event() for _ in range(3)]
-            streams = [asyncio.create_task(read_sse(http, b, s, started_after=3)) for s, b in zip(starts, (short, short, long))]
+            streams = [
+                asyncio.create_task(read_sse(http, b, s, started_after=3)) for s, b in zip(starts, (short, short, long))
+            ]
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 60)
             frontend.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
@@ -98,8 +100,13 @@ async def test_sigterm_drains_the_frontend(own_servers):
 
 async def test_killed_engine_process_ends_streams_and_comes_back(own_servers):
     triton, frontend = own_servers
-    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": DEFAULT_MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
         starts = [asyncio.Event() for _ in range(4)]
         streams = [asyncio.create_task(read_sse(http, body, s, started_after=3)) for s in starts]
@@ -156,10 +163,18 @@ def test_oversized_and_huge_requests_are_refused_at_once(servers):
 
 
 def test_sigterm_to_make_serve_leaves_no_process_behind(tmp_path):
-    ports = {name: str(free_port()) for name in ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT",
-                                                 "TRITON_METRICS_PORT")}
-    serve = subprocess.Popen([sys.executable, "-m", "scripts.serve"], cwd=REPO_ROOT, env={**os.environ, **ports},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    ports = {
+        name: str(free_port())
+        for name in ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")
+    }
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "scripts.serve"],
+        cwd=REPO_ROOT,
+        env={**os.environ, **ports},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:

@@ -35,8 +35,12 @@ def metrics(url: str, name: str) -> dict[str, float]:
 
 
 async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_blocks(tmp_path):
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=copy_model_repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"))
+    triton = TritonServer(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        model_repository=copy_model_repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"),
+    )
     triton.start(log_path=LOGS / "tritonserver-instances.log")
     frontend = Frontend(triton.grpc_url, port=free_port())
     try:
@@ -44,15 +48,17 @@ async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_b
         assert len(stub_processes(triton.proc.pid)) == 2
         body = {"model": DEFAULT_MODEL, "max_tokens": 24, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
-            responses = await asyncio.gather(*(http.post("/v1/completions", json={**body, "prompt": f"Story {i}:"})
-                                               for i in range(8)))
+            responses = await asyncio.gather(
+                *(http.post("/v1/completions", json={**body, "prompt": f"Story {i}:"}) for i in range(8))
+            )
             assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24 for r in responses)
             generated = metrics(triton.metrics_url, "llm_generation_tokens_total")
             assert len(generated) == 2 and all(v > 0 for v in generated.values()), generated  # both engines
 
             started = asyncio.Event()
-            long = asyncio.create_task(read_sse(http, {**body, "prompt": "Once", "max_tokens": 2000, "stream": True},
-                                                started))
+            long = asyncio.create_task(
+                read_sse(http, {**body, "prompt": "Once", "max_tokens": 2000, "stream": True}, started)
+            )
             await asyncio.wait_for(started.wait(), 60)
             deadline = time.monotonic() + 10
             while not (busy := [i for i, v in metrics(triton.metrics_url, "llm_kv_blocks_used").items() if v > 0]):
@@ -79,8 +85,10 @@ def prompts_preferring(url: str, urls: list[str], count: int, prefix: str = "") 
 
 async def test_one_frontend_over_two_tritonservers(tmp_path):
     repo = copy_model_repository(tmp_path, num_threads="1")
-    tritons = [TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_repository=repo) for _ in range(2)]
+    tritons = [
+        TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), model_repository=repo)
+        for _ in range(2)
+    ]
     for i, t in enumerate(tritons):
         t.start(log_path=LOGS / f"tritonserver-pool-{i}.log")
     urls = [t.grpc_url for t in tritons]
@@ -100,7 +108,9 @@ async def test_one_frontend_over_two_tritonservers(tmp_path):
             # A long shared prefix: both requests on one server, whose prefix cache then hits.
             system = "You are a careful assistant who answers in one short sentence. " * 12
             for question in ("What is the capital of Italy?", "What is the largest ocean?"):
-                assert (await http.post("/v1/completions", json={**body, "prompt": system + question})).status_code == 200
+                assert (
+                    await http.post("/v1/completions", json={**body, "prompt": system + question})
+                ).status_code == 200
             home = urls.index(rendezvous_order(affinity_key(system + "x"), urls)[0])
             assert metrics(tritons[home].metrics_url, "llm_prefix_cache_hit_ratio")[f"{DEFAULT_MODEL}_0_0"] > 0
 
@@ -108,8 +118,11 @@ async def test_one_frontend_over_two_tritonservers(tmp_path):
             victim = tritons[0]
             started = asyncio.Event()
             prompt = prompts_preferring(urls[0], urls, 1)[0]
-            doomed = asyncio.create_task(read_sse(http, {**body, "prompt": prompt, "max_tokens": 2000,
-                                                            "ignore_eos": True, "stream": True}, started))
+            doomed = asyncio.create_task(
+                read_sse(
+                    http, {**body, "prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "stream": True}, started
+                )
+            )
             await asyncio.wait_for(started.wait(), 60)
             os.killpg(victim.proc.pid, signal.SIGKILL)
             events, _ = await asyncio.wait_for(doomed, 30)

@@ -43,14 +43,17 @@ def test_echo_logprobs_equal_the_in_process_engine(client, servers, engine):
     reference = in_process_prompt_logprobs(engine, ids, 2)
     # A text prompt and the same prompt as token ids, twice: the second is not served from the prefix cache.
     for prompt in (PROMPT, ids, ids):
-        full = client.completions.create(model=servers.model, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
-                                         temperature=0)
+        full = client.completions.create(
+            model=servers.model, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0
+        )
         lp = full.choices[0].logprobs
         assert full.choices[0].text.startswith(PROMPT)
-        assert lp.tokens[:len(ids)] == list(reference.token_texts)
+        assert lp.tokens[: len(ids)] == list(reference.token_texts)
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert lp.token_logprobs[1:len(ids)] == pytest.approx(reference.logprobs, abs=1e-4)
-        for served, alts, values in zip(lp.top_logprobs[1:len(ids)], reference.top_token_texts, reference.top_logprobs):
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(reference.logprobs, abs=1e-4)
+        for served, alts, values in zip(
+            lp.top_logprobs[1 : len(ids)], reference.top_token_texts, reference.top_logprobs
+        ):
             for alt, value in zip(alts, values):
                 assert served[alt] == pytest.approx(value, abs=1e-4)
         assert len(lp.tokens) == len(ids) + 1 and lp.text_offset[0] == 0
@@ -68,8 +71,15 @@ def test_max_tokens_zero_scores_without_generating(client, servers, engine):
 def test_prompt_logprobs_and_token_ids(servers, engine):
     ids = engine.tokenizer.encode(PROMPT)
     reference = in_process_prompt_logprobs(engine, ids, 1)
-    body = {"model": servers.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2,
-            "prompt_logprobs": 1, "return_token_ids": True}
+    body = {
+        "model": servers.model,
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "temperature": 0,
+        "n": 2,
+        "prompt_logprobs": 1,
+        "return_token_ids": True,
+    }
     r = httpx.post(f"{servers.base_url}/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
@@ -78,9 +88,17 @@ def test_prompt_logprobs_and_token_ids(servers, engine):
         assert pl[0] is None and len(pl) == len(ids)
         for entry, token_id, value in zip(pl[1:], ids[1:], reference.logprobs):
             assert entry[str(token_id)]["logprob"] == pytest.approx(value, abs=1e-4)
-    chat = httpx.post(f"{servers.base_url}/chat/completions", timeout=120, json={
-        "model": servers.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-        "prompt_logprobs": 0, "return_token_ids": True}).json()
+    chat = httpx.post(
+        f"{servers.base_url}/chat/completions",
+        timeout=120,
+        json={
+            "model": servers.model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        },
+    ).json()
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
 
 
@@ -93,17 +111,28 @@ def test_tokenizer_endpoints_agree_with_the_engine(servers, engine):
     info = httpx.get(f"{root}/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and "{% for message in messages %}" in info["chat_template"]
     chat = httpx.post(f"{root}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
-    r = httpx.post(f"{servers.base_url}/chat/completions", json={
-        "model": servers.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).json()
+    r = httpx.post(
+        f"{servers.base_url}/chat/completions",
+        json={"model": servers.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    ).json()
     assert chat["count"] == r["usage"]["prompt_tokens"]
 
 
 def test_chat_continue_final_message_and_invocations(servers):
     root = servers.frontend.url
-    messages = [{"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "The capital of France is"}]
-    body = {"model": servers.model, "messages": messages, "max_tokens": 4, "temperature": 0, "echo": True,
-            "continue_final_message": True, "add_generation_prompt": False}
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    body = {
+        "model": servers.model,
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+        "echo": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     r = httpx.post(f"{root}/invocations", json=body, timeout=120)
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["message"]["content"]
@@ -128,25 +157,49 @@ async def test_triton_level_prompt_logprobs_keep_the_step_contract(servers, engi
 
 def test_token_names_template_kwargs_custom_roles_and_streamed_chat_echo(servers, engine):
     root, model = servers.frontend.url, servers.model
-    r = httpx.post(f"{servers.base_url}/completions", timeout=120, json={
-        "model": model, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True,
-        "return_token_ids": True, "temperature": 0}).json()
+    r = httpx.post(
+        f"{servers.base_url}/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "temperature": 0,
+        },
+    ).json()
     choice = r["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     # The template's own variable, overridden through chat_template_kwargs: no generation prompt rendered.
     messages = [{"role": "user", "content": "Hi"}]
     plain = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
-    kwargs = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages,
-                                                  "chat_template_kwargs": {"add_generation_prompt": False}}).json()
-    assert plain[:len(kwargs["tokens"])] == kwargs["tokens"] and len(plain) > kwargs["count"]
-    custom = httpx.post(f"{root}/tokenize", json={"model": model, "return_token_strs": True,
-                                                  "messages": [{"role": "narrator", "content": "Once"}]}).json()
+    kwargs = httpx.post(
+        f"{root}/tokenize",
+        json={"model": model, "messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
+    ).json()
+    assert plain[: len(kwargs["tokens"])] == kwargs["tokens"] and len(plain) > kwargs["count"]
+    custom = httpx.post(
+        f"{root}/tokenize",
+        json={"model": model, "return_token_strs": True, "messages": [{"role": "narrator", "content": "Once"}]},
+    ).json()
     assert "narrator" in "".join(custom["token_strs"])
-    body = {"model": model, "max_tokens": 3, "temperature": 0, "stream": True, "echo": True,
-            "continue_final_message": True, "add_generation_prompt": False,
-            "messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue and"}]}
+    body = {
+        "model": model,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "echo": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue and"}],
+    }
     with httpx.stream("POST", f"{servers.base_url}/chat/completions", json=body, timeout=120) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert content.startswith("Blue and") and len(content) > len("Blue and")

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.engine_helpers import smollm2_tokenizer
 from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate, wait_until_aborted_and_freed
+from tests.engine_helpers import smollm2_tokenizer
 
 PROMPT = "The capital of France is"
 
@@ -56,9 +56,17 @@ def test_sixteen_concurrent_requests_of_mixed_n(servers):
         jobs = []
         for i in range(16):
             n = 1 + i % 3
-            params = {"n": n, "max_tokens": 4 + (i * 5) % 13, "temperature": 0.7, "seed": i, "ignore_eos": True,
-                      "logprobs": 1 if i % 2 else None}
-            jobs.append((n, params, stream_generate(servers.triton.grpc_url, servers.model, f"Story {i}: once", params)))
+            params = {
+                "n": n,
+                "max_tokens": 4 + (i * 5) % 13,
+                "temperature": 0.7,
+                "seed": i,
+                "ignore_eos": True,
+                "logprobs": 1 if i % 2 else None,
+            }
+            jobs.append(
+                (n, params, stream_generate(servers.triton.grpc_url, servers.model, f"Story {i}: once", params))
+            )
         results = await asyncio.gather(*(job for _, _, job in jobs))
         return [(n, params, result) for (n, params, _), result in zip(jobs, results)]
 
@@ -71,7 +79,9 @@ def test_sixteen_concurrent_requests_of_mixed_n(servers):
 def test_cancel_mid_stream_frees_kv_blocks(servers):
     aborted_before = metric_value(servers.triton.metrics_url, "llm_aborted_requests_total")
     params = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
-    result = run(stream_generate(servers.triton.grpc_url, servers.model, "Count to a thousand:", params, cancel_after=3))
+    result = run(
+        stream_generate(servers.triton.grpc_url, servers.model, "Count to a thousand:", params, cancel_after=3)
+    )
     assert len(result.responses) == 3 and not result.responses[-1].finish_reason
     wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
 

@@ -94,6 +94,7 @@ async def stream_generate(url: str, model: str, prompt, params, cancel_after: in
     """Sends one request and reads every response until the final flag (or cancels after N)."""
     client = grpcclient.InferenceServerClient(url)
     try:
+
         async def requests():
             yield {"model_name": model, "inputs": make_inputs(prompt, params)}
 
@@ -131,16 +132,19 @@ def wait_until_aborted_and_freed(metrics_url: str, aborted_before: float, timeou
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (metric_value(metrics_url, "llm_aborted_requests_total") > aborted_before
-                and metric_value(metrics_url, "llm_kv_blocks_used") == 0
-                and metric_value(metrics_url, "llm_num_running") == 0):
+        if (
+            metric_value(metrics_url, "llm_aborted_requests_total") > aborted_before
+            and metric_value(metrics_url, "llm_kv_blocks_used") == 0
+            and metric_value(metrics_url, "llm_num_running") == 0
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(
         f"not aborted and freed after {timeout:.0f}s: aborted_total="
         f"{metric_value(metrics_url, 'llm_aborted_requests_total')} (before {aborted_before}), "
         f"kv_blocks_used={metric_value(metrics_url, 'llm_kv_blocks_used')}, "
-        f"num_running={metric_value(metrics_url, 'llm_num_running')}")
+        f"num_running={metric_value(metrics_url, 'llm_num_running')}"
+    )
 
 
 def check_invariants(result: StreamResult, n: int, max_tokens: int | None = None, logprobs: int | None = None) -> None:
