@@ -4,6 +4,19 @@ The engine thread never waits on the network: it only steps the engine and puts 
 frozen) outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
 shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
 
+Responses go out between steps: the next step starts once the sender has sent the last one's (up
+to SEND_WAIT_S). Sending needs the GIL and a core; taken during a step, it stalls the step's OpenMP
+threads, which wait for each other at every parallel region.
+
+A sender that fell behind (more than one step queued) joins each sequence's pending steps into one
+response (backend/coalescing.py), so it catches up without losing or reordering anything.
+
+The engine is also *built* on the engine thread, so one thread runs all of its torch work. OpenMP
+(libgomp, which torch and the C++ kernels share) gives every thread that starts parallel regions a
+team of its own; once it manages more threads than there are cores it stops spinning between regions
+and every region waits for sleeping workers to wake. Model loading on one thread and stepping on
+another made two teams, which on 2 cores slowed each decode step by a half (docs/benchmarking.md).
+
 Knows nothing about Triton: the adapter in model_repository/ gives it three callables (send an
 output to a sink, ask whether a sink's client went away, publish stats), so it is tested without
 a server.
@@ -18,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from backend.coalescing import coalesce
 from backend.engine import EngineStats, LLMEngine
 from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, StepOutput
 
@@ -27,30 +41,72 @@ Sink = TypeVar("Sink")
 
 STATS_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.05
+# The longest the next step waits for the last step's responses to be sent; past it the engine goes
+# on (a stalled sender must not stall generation) and the sender catches up.
+SEND_WAIT_S = 0.05
+# How often running requests are asked whether their client went away: each question is a round trip
+# to tritonserver, which per step and per request would lengthen every step.
+CANCEL_POLL_S = 0.05
+
+
+class StepTrace:
+    """Timestamps of each step and each send (time.perf_counter: CLOCK_MONOTONIC, comparable across
+    processes), for finding where served time goes (benchmarks/serve_profile.py). Rows are kept in
+    memory and appended to `path` as TSV when the engine goes idle, between steps:
+    `step <start> <end> <outputs>` and `send <start> <end> <outputs it covered>` (in step order)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._rows: list[str] = []
+        self._lock = threading.Lock()  # the engine and sender threads both add rows
+
+    def add(self, kind: str, start: float, end: float, extra: str = "") -> None:
+        with self._lock:
+            self._rows.append(f"{kind}\t{start:.6f}\t{end:.6f}\t{extra}\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            rows, self._rows = self._rows, []
+        if rows:
+            with open(self.path, "a") as f:
+                f.writelines(rows)
 
 
 class EngineLoop(Generic[Sink]):
     def __init__(
         self,
-        engine: LLMEngine,
+        build_engine: Callable[[], LLMEngine],
         send: Callable[[Sink, EngineOutput], None],
         is_cancelled: Callable[[Sink], bool] = lambda sink: False,
         on_stats: Callable[[EngineStats], None] = lambda stats: None,
+        trace: StepTrace | None = None,
     ) -> None:
-        self.engine = engine
+        self._build_engine = build_engine
+        self.engine: LLMEngine | None = None  # set on the engine thread by start()
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._trace = trace
         self._send = send
         self._is_cancelled = is_cancelled
         self._on_stats = on_stats
         self._incoming: queue.Queue[tuple[GenerateRequest, Sink]] = queue.Queue()
         self._outgoing: queue.Queue[tuple[Sink, EngineOutput] | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._unsent = 0  # outputs routed and not yet sent
+        self._sent = threading.Condition()
         self._stopping = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
         self._sender_thread = threading.Thread(target=self._sender_main, name="response-sender", daemon=True)
 
-    def start(self) -> None:
+    def start(self) -> LLMEngine:
+        """Builds the engine on the engine thread and starts stepping it; returns the engine (for
+        make_request and stats, which other threads may call) or raises what building it raised."""
         self._engine_thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
         self._sender_thread.start()
+        return self.engine
 
     def is_running(self) -> bool:
         """Both threads are alive and no stop was asked: what a health probe reports."""
@@ -69,16 +125,30 @@ class EngineLoop(Generic[Sink]):
     # -- engine thread ------------------------------------------------------------------------
 
     def _engine_main(self) -> None:
-        last_stats = 0.0
+        try:
+            self.engine = self._build_engine()
+        except BaseException as e:  # handed to start()'s caller
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        last_stats = last_cancel_poll = 0.0
         stats_current = False  # published since the engine last did any work
         while not self._stopping.is_set():
             try:
                 self._admit(block=not self.engine.has_work())
-                self._abort_cancelled()
+                if time.monotonic() - last_cancel_poll >= CANCEL_POLL_S:
+                    self._abort_cancelled()
+                    last_cancel_poll = time.monotonic()
                 busy = self.engine.has_work()
                 if busy:
-                    for output in self.engine.step():
+                    start = time.perf_counter()
+                    outputs = self.engine.step()
+                    if self._trace is not None:
+                        self._trace.add("step", start, time.perf_counter(), str(len(outputs)))
+                    for output in outputs:
                         self._route(output)
+                    self._wait_until_sent()
                     stats_current = False
                 now = time.monotonic()
                 # Every interval while busy, and once as soon as the engine is idle (so freed KV
@@ -88,7 +158,9 @@ class EngineLoop(Generic[Sink]):
                     self._on_stats(self.engine.stats())
                     last_stats = now
                     stats_current = idle_now
-            except Exception:  # noqa: BLE001 - the loop must outlive any single failure
+                if idle_now and self._trace is not None:
+                    self._trace.flush()
+            except Exception:
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)
         # Whatever is still running when the model is unloaded ends with an error, not silence.
@@ -124,17 +196,41 @@ class EngineLoop(Generic[Sink]):
             return
         if isinstance(output, RequestFailure) or (isinstance(output, StepOutput) and output.request_finished):
             del self._sinks[output.request_id]
+        with self._sent:
+            self._unsent += 1
         self._outgoing.put((sink, output))
+
+    def _wait_until_sent(self) -> None:
+        """The next step starts once this step's responses are sent (or SEND_WAIT_S passed): sending
+        needs the GIL and a core, and taken during a step it stalls the step's OpenMP threads."""
+        if SEND_WAIT_S > 0:
+            with self._sent:
+                self._sent.wait_for(lambda: self._unsent == 0, SEND_WAIT_S)
 
     # -- sender thread ------------------------------------------------------------------------
 
     def _sender_main(self) -> None:
-        while True:
-            item = self._outgoing.get()
-            if item is None:
-                return
-            sink, output = item
-            try:
-                self._send(sink, output)
-            except Exception:  # noqa: BLE001 - a client that went away must not stop the others
-                logger.exception("sending a response for %s failed", output.request_id)
+        stopping = False
+        while not stopping:
+            pending = [self._outgoing.get()]
+            while True:  # everything queued by now goes out together, each sequence's steps joined
+                try:
+                    pending.append(self._outgoing.get_nowait())
+                except queue.Empty:
+                    break
+            if None in pending:
+                stopping = True
+                pending = pending[: pending.index(None)]
+            for sink, output, covered in coalesce(pending):
+                try:
+                    start = time.perf_counter()
+                    self._send(sink, output)
+                    if self._trace is not None:
+                        self._trace.add("send", start, time.perf_counter(), str(covered))
+                except Exception:
+                    logger.exception("sending a response for %s failed", output.request_id)
+                finally:
+                    with self._sent:
+                        self._unsent -= covered
+                        if self._unsent == 0:
+                            self._sent.notify_all()

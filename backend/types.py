@@ -353,6 +353,8 @@ class StepOutput:
     sequence's last message; `request_finished` is True on the message that ends the request's last
     unfinished sequence (the Triton adapter sends COMPLETE_FINAL with it). `prompt_logprobs` is set
     on step 0 of every sequence of a request that asked for them (and a token was generated).
+    `num_steps` > 1 when a sender that fell behind joined the pending steps `step` .. `step + num_steps - 1`
+    of one sequence into one message (backend/coalescing.py; docs/contract.md).
     """
 
     request_id: str
@@ -367,6 +369,7 @@ class StepOutput:
     num_output_tokens: int  # cumulative for this sequence, at send time
     request_finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+    num_steps: int = 1
 
     @property
     def finished(self) -> bool:

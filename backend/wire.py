@@ -26,6 +26,8 @@ STEP_OUTPUTS = (
     "num_prompt_tokens",
     "num_output_tokens",
 )
+# Only in a response that joined several steps of a sequence (backend/coalescing.py); absent means 1.
+NUM_STEPS_OUTPUT = "num_steps"
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
 PROMPT_LOGPROB_OUTPUTS = (
     "prompt_token_ids",
@@ -54,6 +56,8 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
         "num_prompt_tokens": np.array([out.num_prompt_tokens], dtype=np.int32),
         "num_output_tokens": np.array([out.num_output_tokens], dtype=np.int32),
     }
+    if out.num_steps != 1:
+        arrays[NUM_STEPS_OUTPUT] = np.array([out.num_steps], dtype=np.int32)
     lp = out.logprobs
     if lp is not None:
         n, k = len(lp.logprobs), _width(lp.top_token_ids)
@@ -77,6 +81,14 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
             "prompt_top_token_texts": _texts([s for row in pl.top_token_texts for s in row], (n, k)),
         }
     return arrays
+
+
+def _num_steps(get: Callable[[str], np.ndarray | None]) -> int:
+    array = get(NUM_STEPS_OUTPUT)
+    num_steps = 1 if array is None else int(array.reshape(-1)[0])
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    return num_steps
 
 
 def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, request_finished: bool) -> StepOutput:
@@ -115,6 +127,7 @@ def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, reques
             num_output_tokens=scalar_int("num_output_tokens"),
             request_finished=request_finished,
             prompt_logprobs=_decode_prompt_logprobs(get),
+            num_steps=_num_steps(get),
         )
     except WireError:
         raise

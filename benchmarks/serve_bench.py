@@ -12,6 +12,9 @@ at concurrency 1, 8 and 32 (a finished request's slot is refilled at once).
     tritonserver and frontend on free loopback ports (scripts/servers.py) and stops them before (b).
 (b) in-process: backend.engine.LLMEngine(EngineConfig()) driven by `step()` in this process (the
     engine settings of model_repository's config.pbtxt are EngineConfig's defaults).
+(c) the peer: transformers `generate` on the same fp32 weights and the same prompt tokens, in static
+    batches of `concurrency` requests (greedy, exactly max_tokens each), output tok/s only
+    (--skip-peer leaves it out).
 
 Per request: TTFT = first token - send; ITL = (last token - first token) / (tokens - 1) (the
 definitions genai-perf uses); output tokens/s = all output tokens / (last token of the run - first
@@ -42,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.perf_tools import percentile  # noqa: E402
+from scripts.perf_tools import percentile
 
 # Common English words; those that are one token with a leading space make the prompts, so each
 # prompt is exactly --prompt-tokens tokens.
@@ -101,9 +104,20 @@ def summarize(concurrency: int, records: list[RequestRecord]) -> LevelResult:
     ttft = [(r.first - r.sent) * 1e3 for r in ok]
     itl = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in ok if r.tokens > 1]
     latency = [(r.last - r.sent) * 1e3 for r in ok]
-    return LevelResult(concurrency, len(records), len(records) - len(ok), tokens, round(seconds, 3),
-                       tokens / seconds, len(ok) / seconds, percentile(ttft, 50), percentile(ttft, 95),
-                       percentile(itl, 50), percentile(itl, 95), percentile(latency, 50))
+    return LevelResult(
+        concurrency,
+        len(records),
+        len(records) - len(ok),
+        tokens,
+        round(seconds, 3),
+        tokens / seconds,
+        len(ok) / seconds,
+        percentile(ttft, 50),
+        percentile(ttft, 95),
+        percentile(itl, 50),
+        percentile(itl, 95),
+        percentile(latency, 50),
+    )
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -144,17 +158,31 @@ def chat_prompt_text(tokenizer, content: str) -> str:
 
     env = jinja2.Environment(autoescape=False, trim_blocks=False, keep_trailing_newline=True)
     return env.from_string(tokenizer.chat_template).render(
-        messages=[{"role": "user", "content": content}], add_generation_prompt=True,
-        bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        messages=[{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
 
 
 # --structured: long enough that max_tokens always cuts it, so both runs make the same number of tokens.
-PEOPLE_SCHEMA = {"type": "array", "minItems": 20, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                     "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]}},
-    "required": ["name", "age", "city"], "additionalProperties": False}}
-STRUCTURED_BODY = {"response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE_SCHEMA}}}
+PEOPLE_SCHEMA = {
+    "type": "array",
+    "minItems": 20,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    },
+}
+STRUCTURED_BODY = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE_SCHEMA}}
+}
 
 
 def default_requests(concurrency: int) -> int:
@@ -198,7 +226,7 @@ async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: 
                 if text:
                     rec.text_chunks += 1
                     rec.text += text
-    except Exception as e:  # noqa: BLE001 (a failed request is counted, not fatal)
+    except Exception as e:
         rec.error = f"{type(e).__name__}: {e}"
         return
     if usage is None:
@@ -208,8 +236,15 @@ async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: 
         rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
-async def run_serving_level(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                            chat: bool, extra_body: dict | None = None) -> list[RequestRecord]:
+async def run_serving_level(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    concurrency: int,
+    chat: bool,
+    extra_body: dict | None = None,
+) -> list[RequestRecord]:
     import httpx
 
     url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
@@ -217,8 +252,14 @@ async def run_serving_level(base_url: str, model: str, prompts: list[str], max_t
     queue = list(range(len(prompts)))
 
     def payload(i: int) -> dict:
-        body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, **(extra_body or {})}
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(extra_body or {}),
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": prompts[i]}]
         else:
@@ -253,8 +294,13 @@ def serving_checks(records: list[RequestRecord], tokenizer, max_tokens: int, pro
     }
 
 
-def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_prompt_tokens: set[int],
-                constrained_workloads: dict[int, list[str]] | None = None) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
+def run_serving(
+    args,
+    tokenizer,
+    workloads: dict[int, list[str]],
+    expected_prompt_tokens: set[int],
+    constrained_workloads: dict[int, list[str]] | None = None,
+) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
     """The serving levels; with constrained_workloads, each level again with STRUCTURED_BODY (second dict)."""
     servers = []
     base_url = args.url
@@ -284,11 +330,13 @@ def run_serving(args, tokenizer, workloads: dict[int, list[str]], expected_promp
         if constrained_workloads:  # compiles the schema once, not measured
             asyncio.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
         for c, prompts in workloads.items():
-            for kind, extra_body, out in [("serving", None, results),
-                                          ("constrained", STRUCTURED_BODY, constrained)][:2 if constrained_workloads else 1]:
+            for kind, extra_body, out in [("serving", None, results), ("constrained", STRUCTURED_BODY, constrained)][
+                : 2 if constrained_workloads else 1
+            ]:
                 level_prompts = prompts if extra_body is None else constrained_workloads[c]
-                records = asyncio.run(run_serving_level(base_url, args.model, level_prompts, args.max_tokens, c, chat,
-                                                        extra_body))
+                records = asyncio.run(
+                    run_serving_level(base_url, args.model, level_prompts, args.max_tokens, c, chat, extra_body)
+                )
                 res = summarize(c, records)
                 res.extra = serving_checks(records, tokenizer, args.max_tokens, expected_prompt_tokens)
                 out[c] = res
@@ -354,13 +402,35 @@ def run_inprocess(args, checkpoint, workloads: dict[int, list[list[int]]]) -> di
     return results
 
 
+def run_peer(checkpoint, workloads: dict[int, list[list[int]]], max_tokens: int) -> dict[int, float]:
+    """transformers generate, static batches of c: output tok/s per concurrency c."""
+    from benchmarks.engine_bench import run_hf
+    from benchmarks.hf_peer import build_hf_model
+
+    model = build_hf_model(checkpoint.config, checkpoint.state_dict)
+    run_hf(model, workloads[min(workloads)][:1], [4], 1)  # warm-up, not measured
+    results = {}
+    for c, prompt_ids in workloads.items():
+        tokens, seconds = run_hf(model, prompt_ids, [max_tokens] * len(prompt_ids), c)
+        results[c] = tokens / seconds
+        print(
+            f"{'transformers':>10} c={c:<3} {len(prompt_ids)} requests: {tokens} tokens in {seconds:.1f} s = "
+            f"{results[c]:.1f} tok/s",
+            flush=True,
+        )
+    return results
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
 def print_level(kind: str, r: LevelResult) -> None:
-    print(f"{kind:>10} c={r.concurrency:<3} {r.requests} requests ({r.errors} failed): {r.output_tokens} tokens in "
-          f"{r.seconds:.1f} s = {r.output_tok_s:.1f} tok/s; TTFT p50 {r.ttft_ms_p50:.0f} p95 {r.ttft_ms_p95:.0f} ms; "
-          f"ITL p50 {r.itl_ms_p50:.1f} p95 {r.itl_ms_p95:.1f} ms", flush=True)
+    print(
+        f"{kind:>10} c={r.concurrency:<3} {r.requests} requests ({r.errors} failed): {r.output_tokens} tokens in "
+        f"{r.seconds:.1f} s = {r.output_tok_s:.1f} tok/s; TTFT p50 {r.ttft_ms_p50:.0f} p95 {r.ttft_ms_p95:.0f} ms; "
+        f"ITL p50 {r.itl_ms_p50:.1f} p95 {r.itl_ms_p95:.1f} ms",
+        flush=True,
+    )
 
 
 def print_ratios(names: tuple[str, str], a: dict[int, LevelResult], b: dict[int, LevelResult]) -> dict[int, float]:
@@ -368,12 +438,16 @@ def print_ratios(names: tuple[str, str], a: dict[int, LevelResult], b: dict[int,
     ratios = {c: a[c].output_tok_s / b[c].output_tok_s for c in a if c in b}
     if ratios:
         x, y = names
-        print(f"\n| concurrency | {x} tok/s | {y} tok/s | ratio | {x} TTFT p50 ms | {y} TTFT p50 ms "
-              f"| {x} ITL p50 ms | {y} ITL p50 ms |")
+        print(
+            f"\n| concurrency | {x} tok/s | {y} tok/s | ratio | {x} TTFT p50 ms | {y} TTFT p50 ms "
+            f"| {x} ITL p50 ms | {y} ITL p50 ms |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for c, ratio in ratios.items():
-            print(f"| {c} | {a[c].output_tok_s:.1f} | {b[c].output_tok_s:.1f} | {ratio:.2f} | {a[c].ttft_ms_p50:.0f} | "
-                  f"{b[c].ttft_ms_p50:.0f} | {a[c].itl_ms_p50:.1f} | {b[c].itl_ms_p50:.1f} |")
+            print(
+                f"| {c} | {a[c].output_tok_s:.1f} | {b[c].output_tok_s:.1f} | {ratio:.2f} | {a[c].ttft_ms_p50:.0f} | "
+                f"{b[c].ttft_ms_p50:.0f} | {a[c].itl_ms_p50:.1f} | {b[c].itl_ms_p50:.1f} |"
+            )
     return ratios
 
 
@@ -387,31 +461,50 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt words")
-    parser.add_argument("--salt", type=int, help="seed of each prompt's first %d words; default: random per run "
-                        "(so a long-running server's prefix cache holds none of them); -1: no salt" % SALT_WORDS)
-    parser.add_argument("--structured", action="store_true", help="also run each serving level with a json_schema "
-                        "constraint and print the constrained / unconstrained ratio")
+    parser.add_argument(
+        "--salt",
+        type=int,
+        help=f"seed of each prompt's first {SALT_WORDS} words; default: random per run "
+        "(so a long-running server's prefix cache holds none of them); -1: no salt",
+    )
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run each serving level with a json_schema "
+        "constraint and print the constrained / unconstrained ratio",
+    )
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-inprocess", action="store_true")
+    parser.add_argument("--skip-peer", action="store_true", help="leave out transformers generate")
     args = parser.parse_args()
 
     import torch
 
     from backend.checkpoint import load_checkpoint
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.endpoint}, prompts "
-          f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens} (ignore_eos)", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.endpoint}, prompts "
+        f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens} (ignore_eos)",
+        flush=True,
+    )
     checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
     tok = checkpoint.tokenizer
     # Different prompts for every request of every level, the same ones for both paths.
     salt = args.salt if args.salt is not None else random.SystemRandom().randrange(2**31)
     salt = None if salt < 0 else salt
-    print(f"prompt seed {args.seed}, salt {salt} (--salt {salt if salt is not None else -1} repeats these prompts)",
-          flush=True)
+    print(
+        f"prompt seed {args.seed}, salt {salt} (--salt {salt if salt is not None else -1} repeats these prompts)",
+        flush=True,
+    )
     texts: dict[int, list[str]] = {}
     for k, c in enumerate(args.concurrency):
-        texts[c] = make_prompts(tok, args.requests or default_requests(c), args.prompt_tokens, args.seed + k,
-                                None if salt is None else salt + k)
+        texts[c] = make_prompts(
+            tok,
+            args.requests or default_requests(c),
+            args.prompt_tokens,
+            args.seed + k,
+            None if salt is None else salt + k,
+        )
     if args.endpoint == "chat":
         engine_texts = {c: [chat_prompt_text(tok, t) for t in ts] for c, ts in texts.items()}
     else:
@@ -421,14 +514,22 @@ def main() -> None:
 
     constrained_texts = None
     if args.structured:  # fresh prompts, so the constrained run finds none of them in the prefix cache
-        constrained_texts = {c: make_prompts(tok, len(ts), args.prompt_tokens, args.seed + 500 + k,
-                                             None if salt is None else salt + 500 + k)
-                             for k, (c, ts) in enumerate(texts.items())}
-    serving, constrained = ({}, {}) if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens,
-                                                                          constrained_texts)
+        constrained_texts = {
+            c: make_prompts(
+                tok, len(ts), args.prompt_tokens, args.seed + 500 + k, None if salt is None else salt + 500 + k
+            )
+            for k, (c, ts) in enumerate(texts.items())
+        }
+    serving, constrained = (
+        ({}, {}) if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens, constrained_texts)
+    )
     inproc = {} if args.skip_inprocess else run_inprocess(args, checkpoint, engine_ids)
+    peer = {} if args.skip_peer else run_peer(checkpoint, engine_ids, args.max_tokens)
 
     ratios = print_ratios(("serving", "in-process"), serving, inproc)
+    peer_ratios = {c: serving[c].output_tok_s / peer[c] for c in serving if c in peer}
+    for c, ratio in peer_ratios.items():
+        print(f"c={c}: serving {serving[c].output_tok_s:.1f} tok/s / transformers {peer[c]:.1f} = {ratio:.2f}x")
     structured = print_ratios(("json_schema", "unconstrained"), constrained, serving)
     checks = {c: r.extra for c, r in serving.items()}
     checks.update({f"{c}-constrained": r.extra for c, r in constrained.items()})
@@ -441,21 +542,29 @@ def main() -> None:
         d.pop("extra")
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
-    print(json.dumps({
-        "endpoint": args.endpoint,
-        "seed": args.seed,
-        "salt": salt,
-        "prompt_tokens": args.prompt_tokens,
-        "max_tokens": args.max_tokens,
-        "serving": {str(c): level_dict(r) for c, r in serving.items()},
-        "inprocess": {str(c): level_dict(r) for c, r in inproc.items()},
-        "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
-        "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
-        "constrained": {str(c): level_dict(r) for c, r in constrained.items()},
-        "structured_ratio": {str(c): round(v, 3) for c, v in structured.items()},
-        "token_checks": {str(c): {k: (round(v, 2) if isinstance(v, float) else v) for k, v in ch.items()}
-                         for c, ch in checks.items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "endpoint": args.endpoint,
+                "seed": args.seed,
+                "salt": salt,
+                "prompt_tokens": args.prompt_tokens,
+                "max_tokens": args.max_tokens,
+                "serving": {str(c): level_dict(r) for c, r in serving.items()},
+                "inprocess": {str(c): level_dict(r) for c, r in inproc.items()},
+                "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
+                "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
+                "transformers_tok_s": {str(c): round(v, 2) for c, v in peer.items()},
+                "serving_over_transformers": {str(c): round(v, 3) for c, v in peer_ratios.items()},
+                "constrained": {str(c): level_dict(r) for c, r in constrained.items()},
+                "structured_ratio": {str(c): round(v, 3) for c, v in structured.items()},
+                "token_checks": {
+                    str(c): {k: (round(v, 2) if isinstance(v, float) else v) for k, v in ch.items()}
+                    for c, ch in checks.items()
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

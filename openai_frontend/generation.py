@@ -168,7 +168,7 @@ class Generation:
                 f"but {state.tokens + ntok} tokens received",
             )
         # Accept the message: update the sequence state, usage and latency metrics.
-        state.next_step += 1
+        state.next_step += out.num_steps
         state.tokens += ntok
         state.finished = out.finish_reason is not None
         if p not in self._prompt_tokens:

@@ -96,7 +96,7 @@ def check_stream_invariants(
             continue
         msgs = per_seq.setdefault((out.request_id, out.seq_index), [])
         assert not (msgs and msgs[-1].finished), "a message after the sequence finished"
-        assert out.step == len(msgs), "steps must be contiguous from 0"
+        assert out.step == sum(m.num_steps for m in msgs), "steps must be contiguous from 0"
         msgs.append(out)
         assert out.num_output_tokens == sum(len(m.token_ids) for m in msgs)
         if out.logprobs is not None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from backend import engine_loop
 from backend.engine_loop import EngineLoop
 from backend.types import RequestFailure, SamplingParams, StepOutput
 from tests.engine_helpers import check_stream_invariants, tiny_engine
@@ -25,7 +28,7 @@ def send(sink: Sink, output) -> None:
 
 def test_requests_stream_to_their_own_sinks_and_cancellation_aborts():
     engine = tiny_engine()
-    loop = EngineLoop(engine, send=send, is_cancelled=lambda s: s.cancelled)
+    loop = EngineLoop(lambda: engine, send=send, is_cancelled=lambda s: s.cancelled)
     loop.start()
     try:
         sinks = {}
@@ -52,7 +55,7 @@ def test_requests_stream_to_their_own_sinks_and_cancellation_aborts():
 
 def test_duplicate_request_id_is_refused_with_an_error_and_others_go_on():
     engine = tiny_engine()
-    loop = EngineLoop(engine, send=send)
+    loop = EngineLoop(lambda: engine, send=send)
     loop.start()
     try:
         first, second = Sink(), Sink()
@@ -64,4 +67,88 @@ def test_duplicate_request_id_is_refused_with_an_error_and_others_go_on():
         )
         assert isinstance(first.outputs[-1], StepOutput) and first.outputs[-1].num_output_tokens == 50
     finally:
+        loop.stop()
+
+
+def test_the_engine_is_built_and_stepped_on_the_loop_thread():
+    # One thread runs all of the engine's torch work (see EngineLoop): building it too.
+    built_on, stepped_on = [], set()
+
+    def build():
+        built_on.append(threading.get_ident())
+        engine = tiny_engine()
+        real_step = engine.step
+        engine.step = lambda: stepped_on.add(threading.get_ident()) or real_step()
+        return engine
+
+    loop = EngineLoop(build, send=send)
+    engine = loop.start()
+    try:
+        sink = Sink()
+        loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=4, ignore_eos=True)), sink)
+        assert sink.done.wait(30)
+        assert built_on[0] != threading.get_ident() and stepped_on == {built_on[0]}
+    finally:
+        loop.stop()
+
+
+def test_a_failed_build_is_raised_by_start():
+    def build():
+        raise RuntimeError("no weights here")
+
+    loop = EngineLoop(build, send=send)
+    with pytest.raises(RuntimeError, match="no weights here"):
+        loop.start()
+    assert not loop.is_running()
+
+
+def test_each_steps_responses_are_sent_before_the_next_step():
+    events = []
+    engine = tiny_engine()
+    real_step = engine.step
+    engine.step = lambda: events.append(("step",)) or real_step()
+
+    def recording_send(sink, output):
+        time.sleep(0.002)  # a send that takes a while: the next step must still wait for it
+        events.append(("sent", output.step))
+        send(sink, output)
+
+    loop = EngineLoop(lambda: engine, send=recording_send)
+    loop.start()
+    try:
+        sink = Sink()
+        loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=6, ignore_eos=True)), sink)
+        assert sink.done.wait(30)
+    finally:
+        loop.stop()
+    steps = [i for i, e in enumerate(events) if e == ("step",)]
+    sent = [i for i, e in enumerate(events) if e[0] == "sent"]
+    assert len(sent) == 6 and len(steps) >= 6
+    # The k-th response was sent before the (k+1)-th step began (the prompt is one step, then one token a step).
+    assert all(sent[k] < steps[k + 1] for k in range(5))
+
+
+def test_a_stalled_sender_does_not_stall_generation(monkeypatch):
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.01)
+    release = threading.Event()
+    engine = tiny_engine()
+
+    def stalled_send(sink, output):
+        release.wait(30)
+        send(sink, output)
+
+    loop = EngineLoop(lambda: engine, send=stalled_send)
+    loop.start()
+    try:
+        sink = Sink()
+        loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=20, ignore_eos=True)), sink)
+        deadline = time.monotonic() + 30
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_work() and not sink.outputs  # all 20 steps ran while nothing could be sent
+        release.set()
+        assert sink.done.wait(30)
+        check_stream_invariants(sink.outputs, {"r": 1})
+    finally:
+        release.set()
         loop.stop()

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from backend.coalescing import coalesce, join_steps
 from backend.types import FinishReason, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure, InvalidRequest
@@ -363,6 +364,34 @@ async def test_integrity_violation_ends_stream_with_error(case: str) -> None:
     assert texts == ["a", "b", "c"][:expected_good]  # nothing after the violation
     assert _metric(metrics, "frontend_stream_integrity_violations_total") == 1
     assert whole.status_code == 500 and whole.json()["error"]["code"] == "stream_integrity_violation"
+
+
+async def test_coalesced_responses_give_the_same_completion() -> None:
+    # A sender that fell behind joins each sequence's pending steps (backend/coalescing.py): the
+    # integrity check follows the step ranges, and the client sees the same text, logprobs and usage.
+    steps = scripted_steps([["a", "b", "c", "d"], ["w", "x", "y"]], "length", logprobs=2)
+    joined = [out for _, out, _ in coalesce([(None, s) for s in steps[:4]])] + steps[4:]
+    assert any(o.num_steps > 1 for o in joined)
+    body = {"prompt": "x", "n": 2, "max_tokens": 4, "logprobs": 2, "stream": False}
+    results = []
+    for script in (steps, joined):
+        async with make_client(FakeEngineClient(script_of(script))) as client:
+            r = await client.post("/v1/completions", json={"model": MODEL, **body})
+            assert r.status_code == 200, r.text
+            whole = r.json()
+            results.append(([(c["text"], c["logprobs"], c["finish_reason"]) for c in whole["choices"]], whole["usage"]))
+    assert results[0] == results[1]
+    events = await stream(FakeEngineClient(script_of(joined)), "/v1/completions", {**body, "stream": True})
+    assert not any("error" in e for e in events)  # stream() checked the final [DONE]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == 0) == "abcd"
+
+
+async def test_a_gap_after_a_joined_response_is_a_violation() -> None:
+    steps = scripted_steps([["a", "b", "c", "d"]], "length")
+    joined = join_steps(steps[:2])  # steps 0-1
+    events = await stream(FakeEngineClient(script_of([joined, steps[3]])), "/v1/completions", {"prompt": "x"})
+    assert events[-1]["error"]["code"] == "stream_integrity_violation"
+    assert "gap before step 3 (expected 2)" in events[-1]["error"]["message"]
 
 
 async def test_response_after_finish_is_a_violation() -> None:

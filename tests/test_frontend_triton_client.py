@@ -105,10 +105,12 @@ def _lp(texts: list[str], k: int) -> TokenLogprobs:
             1,
             prompt_logprobs=PromptLogprobs((5,), ("only",), (), (), (), (), ()),
         ),
+        StepOutput("r", 1, 4, (7, 8, 9), "xyz", None, FinishReason.LENGTH, None, 3, 12, num_steps=3),
     ],
 )
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out
+    assert ("num_steps" in wire.encode_step(out)) == (out.num_steps > 1)  # absent means one step
 
 
 async def test_decode_empty_final_and_malformed() -> None:

@@ -29,6 +29,7 @@ class Response:
     top_logprobs: list[list[float]] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float] | None = None
+    num_steps: int = 1  # a response that joined several steps of its sequence (docs/contract.md)
 
 
 @dataclass
@@ -78,6 +79,7 @@ def _decode(result) -> Response:
         num_prompt_tokens=int(arr("num_prompt_tokens")[0]),
         num_output_tokens=int(arr("num_output_tokens")[0]),
         final=result.get_response().parameters["triton_final_response"].bool_param,
+        num_steps=int(arr("num_steps")[0]) if arr("num_steps") is not None else 1,
     )
     if arr("logprobs") is not None:
         r.logprobs = [float(x) for x in arr("logprobs")]
@@ -154,7 +156,8 @@ def check_invariants(result: StreamResult, n: int, max_tokens: int | None = None
     assert sorted(seqs) == list(range(n))
     assert sum(r.final for r in result.responses) == 1 and result.responses[-1].final
     for index, responses in seqs.items():
-        assert [r.step for r in responses] == list(range(len(responses))), f"seq {index}: steps not contiguous"
+        starts = list(np.cumsum([0] + [r.num_steps for r in responses[:-1]]))
+        assert [r.step for r in responses] == starts, f"seq {index}: steps not contiguous"
         finishes = [r for r in responses if r.finish_reason]
         assert len(finishes) == 1 and finishes[0] is responses[-1], f"seq {index}: not exactly one finish, last"
         tokens = [t for r in responses for t in r.token_ids]

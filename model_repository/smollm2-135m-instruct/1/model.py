@@ -16,7 +16,8 @@ from pathlib import Path
 # The stub runs the base interpreter: make the project's venv and repo importable before torch.
 _REPO_ROOT = Path(os.environ.get("LLM_SERVING_REPO_ROOT") or Path(__file__).resolve().parents[3])
 _SITE = os.environ.get("LLM_SERVING_SITE_PACKAGES") or next(
-    iter(sorted((_REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages"))), None)
+    iter(sorted((_REPO_ROOT / ".venv" / "lib").glob("python3*/site-packages"))), None
+)
 if _SITE and str(_SITE) not in sys.path:  # (already there when the venv's own python runs this file)
     _before = list(sys.path)
     site.addsitedir(str(_SITE))  # also runs the venv's .pth files
@@ -37,7 +38,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend import wire  # noqa: E402
 from backend.config import EngineConfig, instance_settings  # noqa: E402
 from backend.engine import EngineStats, LLMEngine  # noqa: E402
-from backend.engine_loop import EngineLoop  # noqa: E402
+from backend.engine_loop import EngineLoop, StepTrace  # noqa: E402
 from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
 
 _GAUGES = {
@@ -62,14 +63,29 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         params.update(_placement(args, model_config, params))
-        self.engine = LLMEngine(EngineConfig.from_strings(params))
+        config = EngineConfig.from_strings(params)
         # Names this instance's life: a probe that sees another one knows the engine was restarted.
         self.instance_id = f"{args['model_instance_name']}-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
         self._init_metrics(args["model_name"], args["model_instance_name"])
-        self.loop = EngineLoop(self.engine, send=self._send, is_cancelled=lambda s: s.is_cancelled(),
-                               on_stats=self._publish_stats)
-        self.loop.start()
+        trace_path = os.environ.get("LLM_STEP_TRACE")  # benchmarks/serve_profile.py sets it
+        gpu = int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None
+
+        def build_engine():  # on the loop's thread, which then steps it (see EngineLoop)
+            if gpu is not None:
+                import torch
+
+                torch.cuda.set_device(gpu)  # the current device is per thread
+            return LLMEngine(config)
+
+        self.loop = EngineLoop(
+            build_engine,
+            send=self._send,
+            is_cancelled=lambda s: s.is_cancelled(),
+            on_stats=self._publish_stats,
+            trace=StepTrace(f"{trace_path}.{args['model_instance_name']}") if trace_path else None,
+        )
+        self.engine = self.loop.start()
 
     def execute(self, requests):
         for request in requests:
@@ -83,7 +99,7 @@ class TritonPythonModel:
                 self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
             except InvalidRequestError as e:
                 self._send(sender, RequestFailure.refused(request_id, e))
-            except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
+            except Exception as e:
                 self._send(sender, RequestFailure(request_id, f"{type(e).__name__}: {e}", "invalid_request_error"))
         return None
 
@@ -97,7 +113,9 @@ class TritonPythonModel:
             return
         health = json.dumps({"instance": self.instance_id, "engine": "running"})
         tensor = pb_utils.Tensor("health", np.array([health.encode()], dtype=np.object_))
-        sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        sender.send(
+            pb_utils.InferenceResponse(output_tensors=[tensor]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     # -- Triton tensors <-> engine types ------------------------------------------------------
 
@@ -125,12 +143,15 @@ class TritonPythonModel:
     def _send(sender, output: EngineOutput) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if isinstance(output, RequestFailure):
-            message = json.dumps({"type": output.error_type, "message": output.message, "param": output.param,
-                                  "code": output.code})
+            message = json.dumps(
+                {"type": output.error_type, "message": output.message, "param": output.param, "code": output.code}
+            )
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=final)
             return
-        sender.send(pb_utils.InferenceResponse(output_tensors=_step_tensors(output)),
-                    flags=final if output.request_finished else 0)
+        sender.send(
+            pb_utils.InferenceResponse(output_tensors=_step_tensors(output)),
+            flags=final if output.request_finished else 0,
+        )
 
     # -- metrics ------------------------------------------------------------------------------
 
@@ -138,10 +159,15 @@ class TritonPythonModel:
         labels = {"model": model_name, "instance": instance_name}
         kind = pb_utils.MetricFamily
         # The families must outlive their metrics, so keep them too.
-        self._families = {name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE)
-                          for name, desc in _GAUGES.items()}
-        self._families.update({name: kind(name=f"llm_{name}_total", description=desc, kind=kind.COUNTER)
-                               for name, desc in _COUNTERS.items()})
+        self._families = {
+            name: kind(name=f"llm_{name}", description=desc, kind=kind.GAUGE) for name, desc in _GAUGES.items()
+        }
+        self._families.update(
+            {
+                name: kind(name=f"llm_{name}_total", description=desc, kind=kind.COUNTER)
+                for name, desc in _COUNTERS.items()
+            }
+        )
         self._gauges = {name: self._families[name].Metric(labels=labels) for name in _GAUGES}
         self._counters = {name: self._families[name].Metric(labels=labels) for name in _COUNTERS}
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
@@ -161,15 +187,16 @@ class TritonPythonModel:
 
 
 def _placement(args, model_config, params):
-    """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances each
-    on their own device (model_instance_device_id), CPU instances splitting the cores."""
+    """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances on
+    CUDA (each on its own device: initialize's build_engine), CPU instances splitting the cores."""
     import torch
 
     kind = args.get("model_instance_kind", "CPU")
-    if kind == "GPU":
-        torch.cuda.set_device(int(args["model_instance_device_id"]))
-    cpu_instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])
-                        if g.get("kind", "KIND_CPU") == "KIND_CPU")
+    cpu_instances = sum(
+        int(g.get("count", 1))
+        for g in model_config.get("instance_group", [])
+        if g.get("kind", "KIND_CPU") == "KIND_CPU"
+    )
     return instance_settings(params, kind, cpu_instances, torch.get_num_threads())  # torch's default: one per core
 
 

@@ -1,0 +1,97 @@
+"""Joining a sequence's pending steps when the sender falls behind (backend/coalescing.py).
+
+The joined stream must be the stream: the same tokens, text, logprobs, counts and flags, in an order
+that keeps every request's final message last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from backend import engine_loop
+from backend.coalescing import coalesce, join_steps
+from backend.engine_loop import EngineLoop
+from backend.types import RequestFailure, SamplingParams, StepOutput
+from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_engine
+
+
+def joined_view(outputs) -> dict[int, tuple]:
+    """Per sequence: its tokens, text, logprob entries, last counts and finish, whatever the grouping."""
+    view = {}
+    for seq in sorted({o.seq_index for o in outputs}):
+        msgs = [o for o in outputs if o.seq_index == seq]
+        lps = [lp for m in msgs if (lp := m.logprobs) is not None]
+        view[seq] = (
+            [t for m in msgs for t in m.token_ids],
+            "".join(m.text_delta for m in msgs),
+            [x for lp in lps for x in zip(lp.logprobs, lp.token_texts, lp.top_token_ids, lp.top_logprobs)],
+            msgs[-1].num_output_tokens,
+            msgs[-1].finish_reason,
+            msgs[-1].stop_reason,
+            msgs[0].prompt_logprobs,
+            sum(m.num_steps for m in msgs),
+        )
+    return view
+
+
+def engine_outputs(n: int = 2, max_tokens: int = 9) -> list[StepOutput]:
+    engine = tiny_engine()
+    params = SamplingParams(n=n, max_tokens=max_tokens, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
+    engine.add_request(engine.make_request("r", "hello there", params))
+    return [o for o in run_to_completion(engine) if isinstance(o, StepOutput)]
+
+
+def test_joining_all_steps_of_a_sequence_keeps_everything():
+    outputs = engine_outputs()
+    for seq in (0, 1):
+        msgs = [o for o in outputs if o.seq_index == seq]
+        joined = join_steps(msgs)
+        assert joined.step == 0 and joined.num_steps == len(msgs)
+        assert joined_view([joined]) == {seq: joined_view(msgs)[seq]}
+        assert joined.request_finished == msgs[-1].request_finished
+
+
+def test_coalesce_joins_per_sequence_and_keeps_the_final_message_last():
+    outputs = engine_outputs()
+    failure = RequestFailure("other", "boom")
+    pending = [("sink", o) for o in outputs[:3]] + [("other-sink", failure)] + [("sink", o) for o in outputs[3:]]
+    sent = coalesce(pending)
+    assert sum(covered for _, _, covered in sent) == len(pending)
+    messages = [out for _, out, _ in sent]
+    assert len(messages) == 3  # seq 0 joined, the failure alone, seq 1 joined
+    assert messages[-1].request_finished and not any(getattr(m, "request_finished", False) for m in messages[:-1])
+    assert messages.index(failure) == 0  # its group ends before the sequences' groups do
+    steps_only = [m for m in messages if isinstance(m, StepOutput)]
+    assert joined_view(steps_only) == joined_view(outputs)
+    check_stream_invariants(steps_only, {"r": 2})
+
+
+def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
+    # The engine steps on while the sender sleeps on every response: steps queue up, and each sequence's
+    # pending steps go out as one response. Joined, the stream equals the engine's own, step by step.
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.0)
+    want = engine_outputs(n=2, max_tokens=24)
+    received: list = []
+    done = threading.Event()
+
+    def slow_send(sink, output):
+        time.sleep(0.02)
+        received.append(output)
+        if isinstance(output, RequestFailure) or output.request_finished:
+            done.set()
+
+    engine = tiny_engine()
+    loop = EngineLoop(lambda: engine, send=slow_send)
+    loop.start()
+    try:
+        params = SamplingParams(n=2, max_tokens=24, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
+        loop.submit(engine.make_request("r", "hello there", params), "sink")
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert all(isinstance(o, StepOutput) for o in received)
+    assert len(received) < len(want) and any(o.num_steps > 1 for o in received)
+    check_stream_invariants(received, {"r": 2})
+    assert received[-1].request_finished and sum(o.request_finished for o in received) == 1
+    assert joined_view(received) == joined_view(want)
