@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-structured perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-structured perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -42,8 +42,16 @@ test-fast: cpu-kernels
 bench-engine: cpu-kernels
 	$(PY) benchmarks/engine_bench.py --compile
 
-bench-serve: venv
+bench-serve: cpu-kernels
 	$(PY) benchmarks/serve_bench.py
+
+# The response path alone: real tritonserver + frontend, a stand-in engine (no model), 64/256/1024 streams.
+bench-wire: venv
+	$(PY) -m benchmarks.wire_bench
+
+# Where served time goes: per-step timestamps and CPU per thread, served vs in-process (concurrency 1 and 8).
+bench-profile: cpu-kernels
+	$(PY) -m benchmarks.serve_profile
 
 # Output tok/s at concurrency 8 with a json_schema constraint against the same load without one (same run).
 bench-structured: cpu-kernels

@@ -5,8 +5,8 @@ frozen) outputs on a queue; the sender thread takes them off and sends them. Not
 shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
 
 Responses go out between steps: the next step starts once the sender has sent the last one's (up
-to SEND_WAIT_S). Sending needs the GIL and a core; taken during a step, it stalls the step's OpenMP
-threads, which wait for each other at every parallel region.
+to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
+it stalls the step's OpenMP threads, which wait for each other at every parallel region.
 
 A sender that fell behind (more than one step queued) joins each sequence's pending steps into one
 response (backend/coalescing.py), so it catches up without losing or reordering anything.
@@ -41,9 +41,12 @@ Sink = TypeVar("Sink")
 
 STATS_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.05
-# The longest the next step waits for the last step's responses to be sent; past it the engine goes
-# on (a stalled sender must not stall generation) and the sender catches up.
+# The longest the next step waits for the last step's responses to be sent: SEND_WAIT_S, and no more
+# than SEND_WAIT_FRACTION of the step just run. On a CPU, where sending competes with the step for the
+# cores, a step's sends take a small part of it and are waited for; where sending is the bottleneck (a
+# large GPU batch, a stalled client) the engine goes on and the sender joins the steps that queue up.
 SEND_WAIT_S = 0.05
+SEND_WAIT_FRACTION = 0.25
 # How often running requests are asked whether their client went away: each question is a round trip
 # to tritonserver, which per step and per request would lengthen every step.
 CANCEL_POLL_S = 0.05
@@ -144,11 +147,12 @@ class EngineLoop(Generic[Sink]):
                 if busy:
                     start = time.perf_counter()
                     outputs = self.engine.step()
+                    took = time.perf_counter() - start
                     if self._trace is not None:
-                        self._trace.add("step", start, time.perf_counter(), str(len(outputs)))
+                        self._trace.add("step", start, start + took, str(len(outputs)))
                     for output in outputs:
                         self._route(output)
-                    self._wait_until_sent()
+                    self._wait_until_sent(min(SEND_WAIT_S, SEND_WAIT_FRACTION * took))
                     stats_current = False
                 now = time.monotonic()
                 # Every interval while busy, and once as soon as the engine is idle (so freed KV
@@ -200,12 +204,12 @@ class EngineLoop(Generic[Sink]):
             self._unsent += 1
         self._outgoing.put((sink, output))
 
-    def _wait_until_sent(self) -> None:
-        """The next step starts once this step's responses are sent (or SEND_WAIT_S passed): sending
+    def _wait_until_sent(self, timeout: float) -> None:
+        """The next step starts once this step's responses are sent (or `timeout` passed): sending
         needs the GIL and a core, and taken during a step it stalls the step's OpenMP threads."""
-        if SEND_WAIT_S > 0:
+        if timeout > 0:
             with self._sent:
-                self._sent.wait_for(lambda: self._unsent == 0, SEND_WAIT_S)
+                self._sent.wait_for(lambda: self._unsent == 0, timeout)
 
     # -- sender thread ------------------------------------------------------------------------
 

@@ -119,6 +119,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--skip-inprocess", action="store_true")
+    parser.add_argument(
+        "--renice",
+        type=int,
+        default=0,
+        help="nice value for every thread of tritonserver, the frontend and this "
+        "client (not the model's stub): how much of the served loss is their work preempting the engine's threads",
+    )
     args = parser.parse_args()
 
     import torch
@@ -148,6 +155,10 @@ def main() -> None:
         stub = next(iter(stub_processes(triton.proc.pid)))
         pids = {"tritonserver": triton.proc.pid, "stub": stub, "frontend": frontend.proc.pid, "client": os.getpid()}
         base = frontend.url.rstrip("/").removesuffix("/v1")
+        if args.renice:
+            for label, pid in pids.items():
+                for task in Path(f"/proc/{pid}/task").glob("*") if label != "stub" else ():
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), args.renice)
         asyncio.run(run_serving_level(base, "smollm2-135m-instruct", make_prompts(tok, 2, 16, 99), 4, 2, False))
         for c in args.concurrency:
             time.sleep(0.5)  # the warm-up's (or last level's) trace is flushed at idle

@@ -72,6 +72,10 @@ class TritonPythonModel:
         gpu = int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None
 
         def build_engine():  # on the loop's thread, which then steps it (see EngineLoop)
+            if params.get("engine") == "stand-in":  # no model: measures the response path (make bench-wire)
+                from backend.stand_in_engine import StandInEngine
+
+                return StandInEngine(float(params.get("stand_in_step_ms", "20")), config.max_num_seqs)
             if gpu is not None:
                 import torch
 
