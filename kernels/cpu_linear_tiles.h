@@ -7,8 +7,8 @@
 // multiplies MB x rows by a panel the outer-product way: per k, the panel's 32 weights are 2 (AVX-512)
 // or 4 (AVX2) vector loads, each x element one broadcast, and MB x 32 sums stay in registers, one
 // output column per lane. No horizontal sums at the end (the row-major "dot" tiles this replaced spent
-// a quarter of their time there and reached 40% of the FMA peak on weights in cache; these reach
-// 80-100%), and the weights are read as two sequential streams per panel.
+// much of their time there and reached a far lower share of the FMA peak; figures in docs/kernels.md),
+// and the weights are read as two sequential streams per panel.
 //
 // Every output element is one chain of FMAs over k = 0, 1, ..., K - 1, then + bias, then + residual,
 // whatever the tile, the batch, the thread split or the instruction set: a row's result never depends on
@@ -29,9 +29,8 @@ constexpr int64_t kPanel = 32;  // output columns per weight panel
 
 // A panel's K rows of 32 weights are stored in two halves, even k then odd k, so that the tiles' walk
 // k = 0, 1, 2, ... (the summation order, unchanged) reads two sequential streams (K/2 rows apart) instead
-// of one: the hardware prefetchers keep two streams fuller. 30 layers of SmolLM2 matrices, 2 threads,
-// AVX-512 (C++ harness, both layouts alternating): 8-12 rows 11-15% faster, 4 rows ~7%, 1 row and
-// 143 rows the same. (Four quarters: no better than two.)
+// of one: the hardware prefetchers keep two streams fuller, which helps the 4-12-row tiles most and
+// no row count less (figures in docs/kernels.md). Four quarters were no better than two.
 constexpr int64_t kHalves = 2;
 
 // One call's operands, plain data so that both translation units can take it.
