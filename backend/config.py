@@ -26,7 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    compile: bool = False  # CPU: torch.compile the decode-only forward (minutes more at start; backend/compiled_decode.py)
+    compile: bool = False  # CPU: torch.compile the decode-only forward (slow start; backend/compiled_decode.py)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
