@@ -65,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting the OpenAI frontend (log: {logs / 'frontend.log'}) ...", flush=True)
             frontend.start(log_path=logs / "frontend.log")
     except (RuntimeError, TimeoutError) as e:
+        if stopping:  # Ctrl-C / SIGTERM while starting: what ended the start-up was our own stop
+            return 0
         print(f"failed to start: {e}", file=sys.stderr)
         stop()
         return 1
+    if stopping:  # the signal came just as the last process became ready
+        return 0
     if only_triton:
         print(
             f"Triton ready: gRPC {triton.grpc_port}, HTTP {triton.http_port}, metrics {triton.metrics_port}", flush=True
