@@ -79,7 +79,7 @@ class LlamaConfig:
         return cls(**common_hf_fields(d))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json transformers can load (LlamaForCausalLM)."""
+        """A config.json transformers can load (its `architectures` class)."""
         d = asdict(self)
         del d["qkv_bias"]
         d.update(
@@ -88,10 +88,12 @@ class LlamaConfig:
             hidden_act="silu",
             rope_scaling=None,
             torch_dtype="float32",
-            attention_bias=False,
-            mlp_bias=False,
+            **self._hf_family_fields(),
         )
         return d
+
+    def _hf_family_fields(self) -> dict[str, Any]:
+        return {"attention_bias": False, "mlp_bias": False}
 
 
 def common_hf_fields(d: Mapping[str, Any]) -> dict[str, Any]:

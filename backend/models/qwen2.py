@@ -11,7 +11,7 @@ off), rope scaling (YaRN long-context configs).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from backend.models.llama import LlamaConfig, LlamaForCausalLM, common_hf_fields
@@ -28,19 +28,8 @@ class Qwen2Config(LlamaConfig):
     def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen2Config:
         return cls(**common_hf_fields(d))
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json transformers can load (Qwen2ForCausalLM)."""
-        d = asdict(self)
-        del d["qkv_bias"]
-        d.update(
-            model_type=self.model_type,
-            architectures=[self.architecture],
-            hidden_act="silu",
-            rope_scaling=None,
-            torch_dtype="float32",
-            use_sliding_window=False,
-        )
-        return d
+    def _hf_family_fields(self) -> dict[str, Any]:
+        return {"use_sliding_window": False}
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
