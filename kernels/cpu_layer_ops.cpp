@@ -7,8 +7,9 @@
 //
 // Why: in a decode step the matmuls read the weights at the memory's speed, and what is left is
 // dispatch: ~40 small torch ops per layer (4 for a norm; split, roll, mul, addcmul, two index_copy for
-// rotary + cache store; chunk, silu, mul), a large share of a batch-1 step. Here they are 3 ops. Rows split over torch's intra-op threads (at::parallel_for) only when there
-// are enough of them to pay for it. References (what the tests compare to): kernels.cpu_kernels.
+// rotary + cache store; chunk, silu, mul), a large share of a batch-1 step. Here they are 3 ops. Rows
+// split over torch's intra-op threads (at::parallel_for) only when there are enough of them to pay for
+// it. References (what the tests compare to): kernels.cpu_kernels.
 
 #include <immintrin.h>
 
@@ -69,7 +70,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // One head: out = x * cos + roll_half(x) * sin, roll_half(x) = (x[D/2:], x[:D/2]), with the signed sin
-// table of backend/llama.py rope_tables (its first half negated).
+// table of backend/layers.py rope_tables (its first half negated).
 inline void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
   const int64_t half = D / 2;
   if (half % 8 == 0) {

@@ -4,10 +4,10 @@
 // table; grouped-query attention (the G = H / KVH query heads of a KV head share its K/V, read once).
 // Exact softmax in two passes over a scores buffer (contexts on CPU are short enough to hold it).
 // Why not the torch reference: it gathers every context into a padded copy (two index_select) and runs
-// SDPA on tiny matrices, most of its time copies and per-call overhead. Work is split over sequences with at::parallel_for. Where the
-// CPU has AVX-512 and the head shape fits, cpu_paged_attention_avx512.cpp runs instead, over (sequence,
-// KV head) units split by work. Built with cpu_linear.cpp by kernels/cpu_kernels.py; the reference it
-// must match is kernels.reference.paged_attention_decode_ref.
+// SDPA on tiny matrices, most of its time copies and per-call overhead. Work is split over sequences
+// with at::parallel_for. Where the CPU has AVX-512 and the head shape fits, cpu_paged_attention_avx512.cpp
+// runs instead, over (sequence, KV head) units split by work. Built with cpu_linear.cpp by
+// kernels/cpu_kernels.py; the reference it must match is kernels.reference.paged_attention_decode_ref.
 
 #include <immintrin.h>
 
