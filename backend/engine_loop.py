@@ -1,7 +1,7 @@
 """Runs an engine on its own thread and hands its outputs to a sender thread.
 
-The engine thread never waits on the network: it only steps the engine and puts the (already
-frozen) outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
+The engine thread never blocks on the network: it steps the engine and puts the (already frozen)
+outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
 shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
 
 Responses go out between steps: the next step starts once the sender has sent the last one's (up
@@ -121,9 +121,11 @@ class EngineLoop(Generic[Sink]):
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._engine_thread.join(timeout)
+        if self._engine_thread.ident is not None:
+            self._engine_thread.join(timeout)
         self._outgoing.put(None)
-        self._sender_thread.join(timeout)
+        if self._sender_thread.ident is not None:  # (not started when building the engine failed)
+            self._sender_thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------------------------
 

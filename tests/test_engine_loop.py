@@ -100,6 +100,7 @@ def test_a_failed_build_is_raised_by_start():
     with pytest.raises(RuntimeError, match="no weights here"):
         loop.start()
     assert not loop.is_running()
+    loop.stop()  # (what a model's finalize does) fine after a failed start
 
 
 def test_each_steps_responses_are_sent_before_the_next_step(monkeypatch):
