@@ -171,7 +171,7 @@ class EngineLoop(Generic[Sink]):
                 time.sleep(IDLE_WAIT_S)
         # Whatever is still running when the model is unloaded ends with an error, not silence.
         for request_id, sink in list(self._sinks.items()):
-            self._outgoing.put((sink, RequestFailure(request_id, "the model is shutting down")))
+            self._enqueue(sink, RequestFailure(request_id, "the model is shutting down"))
         self._sinks.clear()
 
     def _admit(self, block: bool) -> None:
@@ -185,7 +185,7 @@ class EngineLoop(Generic[Sink]):
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
             except InvalidRequestError as e:
-                self._outgoing.put((sink, RequestFailure.refused(request.request_id, e)))
+                self._enqueue(sink, RequestFailure.refused(request.request_id, e))
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
@@ -202,6 +202,10 @@ class EngineLoop(Generic[Sink]):
             return
         if isinstance(output, RequestFailure) or (isinstance(output, StepOutput) and output.request_finished):
             del self._sinks[output.request_id]
+        self._enqueue(sink, output)
+
+    def _enqueue(self, sink: Sink, output: EngineOutput) -> None:
+        """Every output goes to the sender through here: the count the next step waits on."""
         with self._sent:
             self._unsent += 1
         self._outgoing.put((sink, output))

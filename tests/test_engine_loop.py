@@ -155,3 +155,26 @@ def test_a_stalled_sender_does_not_stall_generation(monkeypatch):
     finally:
         release.set()
         loop.stop()
+
+
+def test_refused_requests_are_counted_as_sent_so_later_steps_do_not_wait(monkeypatch):
+    # Every output, refusals included, goes through the count the next step waits on: a refusal that
+    # skipped it left the count below zero, and every later step then waited the whole bound.
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_FRACTION", 1000.0)
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.5)
+    engine = tiny_engine()
+    loop = EngineLoop(lambda: engine, send=send)
+    loop.start()
+    try:
+        refused = Sink()
+        loop.submit(engine.make_request("dup", "a", SamplingParams(max_tokens=40, ignore_eos=True)), Sink())
+        loop.submit(engine.make_request("dup", "b", SamplingParams(max_tokens=2)), refused)
+        assert refused.done.wait(30) and isinstance(refused.outputs[-1], RequestFailure)
+        sink = Sink()
+        start = time.monotonic()
+        loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=10, ignore_eos=True)), sink)
+        assert sink.done.wait(30)
+        assert time.monotonic() - start < 3  # 10+ steps that each waited 0.5 s would take 5 s or more
+        assert loop._unsent == 0
+    finally:
+        loop.stop()
