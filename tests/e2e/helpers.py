@@ -1,17 +1,37 @@
 """What the e2e tests that run servers of their own share: a model repository with other settings,
-and an SSE stream read to its end."""
+tritonserver and the frontend started on it, and an SSE stream read to its end."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port
+
+LOGS = REPO_ROOT / "artifacts" / "test-logs"
+
+
+@contextlib.contextmanager
+def running_servers(repository: Path, name: str, **triton_args) -> Iterator[tuple[TritonServer, Frontend]]:
+    """tritonserver on `repository` and a frontend on it, on free ports (logs: artifacts/test-logs/*-NAME.log)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          model_repository=repository, **triton_args)  # fmt: skip
+    triton.start(log_path=LOGS / f"tritonserver-{name}.log")
+    frontend = Frontend(triton.grpc_url, port=free_port())
+    try:
+        frontend.start(log_path=LOGS / f"frontend-{name}.log")
+        yield triton, frontend
+    finally:
+        frontend.stop()
+        triton.stop()
 
 
 def copy_model_repository(folder: Path, **settings: str) -> Path:

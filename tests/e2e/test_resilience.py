@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
-from tests.e2e.helpers import copy_model_repository, read_sse
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, free_port, stub_processes
+from tests.e2e.helpers import copy_model_repository, read_sse, running_servers
 from tests.e2e.triton_stream import metric_value
 
 pytestmark = pytest.mark.slow
@@ -34,20 +34,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def own_servers(tmp_path_factory):
     """A model repository of its own with a tight queue: 4 seats, 2 waiting sequences."""
-    logs = REPO_ROOT / "artifacts" / "test-logs"
-    logs.mkdir(parents=True, exist_ok=True)
     repository = copy_model_repository(tmp_path_factory.mktemp("repository"), max_num_seqs="4", max_waiting_seqs="2")
-    triton = TritonServer(
-        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), model_repository=repository
-    )
-    triton.start(log_path=logs / "tritonserver-resilience.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
-    try:
-        frontend.start(log_path=logs / "frontend-resilience.log")
-        yield triton, frontend
-    finally:
-        frontend.stop()
-        triton.stop()
+    with running_servers(repository, "resilience") as servers:
+        yield servers
 
 
 async def test_overload_past_the_queue_bound_is_refused_at_once(own_servers):

@@ -10,26 +10,18 @@ import asyncio
 import pytest
 
 from benchmarks.wire_bench import TEXT, run_level, stand_in_repository
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port
+from scripts.servers import DEFAULT_MODEL
+from tests.e2e.helpers import running_servers
 from tests.e2e.triton_stream import check_invariants, stream_generate
 
 pytestmark = pytest.mark.e2e
-LOGS = REPO_ROOT / "artifacts" / "test-logs"
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     repository = stand_in_repository(tmp_path_factory.mktemp("stand-in"), step_ms=1.0, max_num_seqs=256)
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=repository, supervise=False)  # fmt: skip
-    triton.start(log_path=LOGS / "tritonserver-wire.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
-    try:
-        frontend.start(log_path=LOGS / "frontend-wire.log")
-        yield triton, frontend
-    finally:
-        frontend.stop()
-        triton.stop()
+    with running_servers(repository, "wire", supervise=False) as servers:
+        yield servers
 
 
 def test_sse_streams_stay_exact_when_responses_join_steps(servers):
