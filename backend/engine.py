@@ -240,7 +240,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         try:
             result = self.runner.execute(batch)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             return self._pending_outputs() + self._fail_batch(batch, exc)
         self.scheduler.update_from_output([(seq, tok.token_id) for seq, tok in result.sampled])
         messages, finished = self.output_processor.process(result)

@@ -132,7 +132,7 @@ class EngineLoop(Generic[Sink]):
     def _engine_main(self) -> None:
         try:
             self.engine = self._build_engine()
-        except BaseException as e:  # handed to start()'s caller
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self._build_error = e
             return
         finally:
@@ -166,7 +166,7 @@ class EngineLoop(Generic[Sink]):
                     stats_current = idle_now
                 if idle_now and self._trace is not None:
                     self._trace.flush()
-            except Exception:
+            except Exception:  # the loop must outlive any single failure
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)
         # Whatever is still running when the model is unloaded ends with an error, not silence.
@@ -237,7 +237,7 @@ class EngineLoop(Generic[Sink]):
                     self._send(sink, output)
                     if self._trace is not None:
                         self._trace.add("send", start, time.perf_counter(), str(covered))
-                except Exception:
+                except Exception:  # a client that went away must not stop the others
                     logger.exception("sending a response for %s failed", output.request_id)
                 finally:
                     with self._sent:

@@ -226,7 +226,7 @@ async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: 
                 if text:
                     rec.text_chunks += 1
                     rec.text += text
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         rec.error = f"{type(e).__name__}: {e}"
         return
     if usage is None:

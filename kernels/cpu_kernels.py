@@ -142,7 +142,7 @@ def _build() -> bool:
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch paths, which are correct
         logger.warning("C++ CPU kernels not built (%s: %s); torch runs instead", type(exc).__name__, exc)
         return False
     # Shapes for torch.compile's tracing.

@@ -132,7 +132,7 @@ class Generation:
             queue.put_nowait(_End(p))
         except FrontendError as e:
             queue.put_nowait(_Failed(e))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a bug in a client must end the request, not hang it
             queue.put_nowait(_Failed(EngineFailure(f"engine client failed: {type(e).__name__}: {e}")))
 
     # -- checks ----------------------------------------------------------------------------------

@@ -193,6 +193,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.instance: str | list[str] | None = "engine-1"
         self.probes = 0
 
+    # The method names are the gRPC service's (GRPCInferenceService), hence CamelCase.
     async def ServerReady(self, request, context):
         return service_pb2.ServerReadyResponse(ready=True)
 

@@ -93,7 +93,7 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         except FrontendError as e:
             log.warning("stream ended with error: %s", e.message)
             yield f"data: {_json(e.to_dict())}\n\n"
-        except Exception as e:
+        except Exception as e:  # the client must still get an error event and [DONE]
             log.exception("stream failed")
             yield f"data: {_json(EngineFailure(f'internal error: {type(e).__name__}').to_dict())}\n\n"
         finally:

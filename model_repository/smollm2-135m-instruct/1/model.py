@@ -103,7 +103,7 @@ class TritonPythonModel:
                 self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
             except InvalidRequestError as e:
                 self._send(sender, RequestFailure.refused(request_id, e))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
                 self._send(sender, RequestFailure(request_id, f"{type(e).__name__}: {e}", "invalid_request_error"))
         return None
 
