@@ -96,10 +96,16 @@ def step_figures(steps: list[tuple[float, float, int]], sends: list[tuple[float,
     return fig
 
 
-def print_cpu(delta, tokens: int, top: int = 8) -> dict:
+def cpu_per_process(delta) -> dict[str, float]:
+    """cpu_delta's per-thread seconds summed per process label."""
     per_process: dict[str, float] = defaultdict(float)
     for (label, _), (cpu, _) in delta.items():
         per_process[label] += cpu
+    return per_process
+
+
+def print_cpu(delta, tokens: int, top: int = 8) -> dict:
+    per_process = cpu_per_process(delta)
     print("  CPU ms per output token: " + ", ".join(f"{k} {1e3 * v / tokens:.1f}" for k, v in per_process.items()))
     busiest = sorted(delta.items(), key=lambda kv: -kv[1][0])[:top]
     for (label, name), (cpu, ctx) in busiest:

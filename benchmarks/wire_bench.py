@@ -19,32 +19,20 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.serve_profile import cpu_delta, thread_cpu
-from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
-
-MODEL = "smollm2-135m-instruct"
-TEXT = " x"  # backend.stand_in_engine.TOKEN_TEXT
+from backend.stand_in_engine import TOKEN_TEXT as TEXT
+from benchmarks.serve_profile import cpu_delta, cpu_per_process, thread_cpu
+from scripts.servers import DEFAULT_MODEL as MODEL
+from scripts.servers import REPO_ROOT, Frontend, TritonServer, copy_model_repository, free_port, stub_processes
 
 
 def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path:
-    shutil.copytree(REPO_ROOT / "model_repository" / MODEL, folder / MODEL)
-    config = folder / MODEL / "config.pbtxt"
-    text, count = re.subn(
-        r'(key: "max_num_seqs" value: \{ string_value: )"[^"]*"', rf'\1"{max_num_seqs}"', config.read_text()
-    )
-    assert count == 1
-    text += (
-        '\nparameters { key: "engine" value: { string_value: "stand-in" } }\n'
-        f'parameters {{ key: "stand_in_step_ms" value: {{ string_value: "{step_ms}" }} }}\n'
-    )
-    config.write_text(text)
-    return folder
+    added = {"engine": "stand-in", "stand_in_step_ms": str(step_ms)}
+    return copy_model_repository(folder, added, max_num_seqs=str(max_num_seqs))
 
 
 async def one_stream(client, url: str, max_tokens: int, stats: dict) -> None:
@@ -121,9 +109,7 @@ def main() -> None:
             stats = asyncio.run(run_level(base, c, args.max_tokens, args.seconds))
             delta = cpu_delta(before, thread_cpu(pids))
             tokens = max(stats["tokens"], 1)
-            cpu = {label: 0.0 for label in pids}
-            for (label, _), (seconds, _) in delta.items():
-                cpu[label] += seconds
+            cpu = cpu_per_process(delta)
             level = {
                 "tok_s": round(stats["tokens"] / stats["seconds"], 1),
                 "offered_tok_s": round(c / (args.step_ms / 1e3), 1),

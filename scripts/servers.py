@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,26 @@ log = logging.getLogger("servers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def copy_model_repository(folder: Path, added: dict[str, str] | None = None, **settings: str) -> Path:
+    """The default model's repository copied into `folder`, its config.pbtxt parameters (or `instance_group`)
+    in `settings` replaced and the parameters in `added` (absent from it) added: for tests and benchmarks
+    that need other engine settings."""
+    shutil.copytree(MODEL_REPOSITORY / DEFAULT_MODEL, folder / DEFAULT_MODEL)
+    config = folder / DEFAULT_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key, value in settings.items():
+        if key == "instance_group":
+            text, count = re.subn(r"instance_group \[.*\]", f"instance_group [ {value} ]", text)
+        else:
+            text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        if count != 1:
+            raise ValueError(f"config.pbtxt has no single {key!r} to replace")
+    for key, value in (added or {}).items():
+        text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    config.write_text(text + "\n")
+    return folder
 
 
 def _site_packages() -> Path:

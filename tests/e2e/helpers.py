@@ -1,19 +1,17 @@
-"""What the e2e tests that run servers of their own share: a model repository with other settings,
-tritonserver and the frontend started on it, and an SSE stream read to its end."""
+"""What the e2e tests that run servers of their own share: tritonserver and the frontend started on a
+repository of their own (scripts.servers.copy_model_repository), and an SSE stream read to its end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port
+from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
 
 LOGS = REPO_ROOT / "artifacts" / "test-logs"
 
@@ -32,21 +30,6 @@ def running_servers(repository: Path, name: str, **triton_args) -> Iterator[tupl
     finally:
         frontend.stop()
         triton.stop()
-
-
-def copy_model_repository(folder: Path, **settings: str) -> Path:
-    """The model repository copied into `folder`, with config.pbtxt parameters (or `instance_group`) replaced."""
-    shutil.copytree(REPO_ROOT / "model_repository" / DEFAULT_MODEL, folder / DEFAULT_MODEL)
-    config = folder / DEFAULT_MODEL / "config.pbtxt"
-    text = config.read_text()
-    for key, value in settings.items():
-        if key == "instance_group":
-            text, count = re.subn(r"instance_group \[.*\]", f"instance_group [ {value} ]", text)
-        else:
-            text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-        assert count == 1, key
-    config.write_text(text)
-    return folder
 
 
 async def read_sse(

@@ -15,8 +15,16 @@ import httpx
 import pytest
 
 from openai_frontend.server_pool import affinity_key, rendezvous_order
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
-from tests.e2e.helpers import copy_model_repository, read_sse
+from scripts.servers import (
+    DEFAULT_MODEL,
+    REPO_ROOT,
+    Frontend,
+    TritonServer,
+    copy_model_repository,
+    free_port,
+    stub_processes,
+)
+from tests.e2e.helpers import read_sse
 
 pytestmark = pytest.mark.slow
 LOGS = REPO_ROOT / "artifacts" / "test-logs"
