@@ -113,6 +113,18 @@ class StandInEngine:
         return sum(len(r.produced) - r.finished for r in self._running.values())
 
     def stats(self) -> EngineStats:
-        running = self._seqs_running()
-        waiting = sum(len(w.produced) for w in self._waiting)
-        return EngineStats(running, waiting, 0, 0, 0, 0, 0, 0, 0, 0, self._tokens, 0, 0)
+        return EngineStats(
+            num_running=self._seqs_running(),
+            num_waiting=sum(len(w.produced) for w in self._waiting),
+            kv_blocks_total=0,  # no KV cache
+            kv_blocks_used=0,
+            kv_blocks_free=0,
+            kv_blocks_cached=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens=0,
+            generation_tokens=self._tokens,
+            aborted_requests=0,
+            rejected_requests=0,
+        )
