@@ -138,24 +138,28 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert torch.equal(_unpermute_rope_rows(llama_cpp_permute(w, 3), 3), w)
 
 
+# A config small enough to write by hand (the folder tests need no real weights).
+TINY_CONFIG = LlamaConfig(
+    vocab_size=4,
+    hidden_size=8,
+    intermediate_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=4,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    tie_word_embeddings=True,
+)
+
+
 def test_hf_folder_source(tmp_path):
     from safetensors.torch import save_file
     from tokenizers import Tokenizer as FastTokenizer
     from tokenizers import models
 
-    config = LlamaConfig(
-        vocab_size=4,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        max_position_embeddings=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        tie_word_embeddings=True,
-    )
+    config = TINY_CONFIG
     (tmp_path / "config.json").write_text(json.dumps({**config.to_hf_dict(), "eos_token_id": 3}))
     save_file({"model.norm.weight": torch.ones(8, dtype=torch.float16)}, str(tmp_path / "model.safetensors"))
     fast = FastTokenizer(models.WordLevel({"a": 0, "b": 1, "<s>": 2, "</s>": 3}, unk_token="a"))
@@ -185,19 +189,7 @@ def test_bad_sources_and_unsupported_configs(tmp_path):
         resolve_source(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_source(str(tmp_path))
-    base = LlamaConfig(
-        vocab_size=4,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        max_position_embeddings=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        tie_word_embeddings=True,
-    ).to_hf_dict()
+    base = TINY_CONFIG.to_hf_dict()
     with pytest.raises(NotImplementedError, match="rope scaling"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(NotImplementedError, match="model_type"):
