@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from backend.stand_in_engine import TOKEN_TEXT as TEXT
-from benchmarks.serve_profile import cpu_delta, cpu_per_process, thread_cpu
+from benchmarks.serve_profile import cpu_delta, cpu_per_process, print_cpu, read_trace, step_figures, thread_cpu
 from scripts.servers import DEFAULT_MODEL as MODEL
 from scripts.servers import REPO_ROOT, Frontend, TritonServer, copy_model_repository, free_port, stub_processes
 
@@ -35,50 +35,112 @@ def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path
     return copy_model_repository(folder, added, max_num_seqs=str(max_num_seqs))
 
 
-async def one_stream(client, url: str, max_tokens: int, stats: dict) -> None:
-    body = {"model": MODEL, "prompt": "a b c", "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    text, chunks, usage, finish, error = [], 0, None, None, None
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            error = f"HTTP {r.status_code}"
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]["message"]
-            elif event.get("choices"):
-                chunks += 1
-                text.append(event["choices"][0]["text"])
-                stats["tokens"] += event["choices"][0]["text"].count(TEXT)
-                finish = event["choices"][0]["finish_reason"] or finish
-            elif event.get("usage"):
-                usage = event["usage"]
-    exact = (error is None and "".join(text) == TEXT * max_tokens and finish == "length"
-             and usage is not None and usage["completion_tokens"] == max_tokens)  # fmt: skip
-    stats["streams"] += 1
-    stats["exact"] += exact
-    stats["chunks"] += chunks
-    if not exact and len(stats["errors"]) < 3:
-        stats["errors"].append(error or f"{len(''.join(text)) // len(TEXT)} tokens, finish {finish}, usage {usage}")
+_LAST_CHUNK = b"\r\n0\r\n\r\n"  # the end of a chunked body (the CRLF closes the chunk before it)
 
 
-async def run_level(base_url: str, concurrency: int, max_tokens: int, seconds: float) -> dict:
-    import httpx
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that keeps what arrives and nothing more. A client that
+    parses each event as it comes (httpx is pure Python) spends more CPU per chunk than the frontend,
+    on the same two cores; this one checks each stream once it has ended."""
 
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.done: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def send(self, request: bytes) -> asyncio.Future[None]:
+        self.parts = []
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return self.done
+
+    def data_received(self, data: bytes) -> None:
+        self.parts.append(data)
+        if len(self.parts) == 1 and not data.startswith(b"HTTP/1.1 200"):
+            self.transport.close()  # an error answer: its status line is all check_stream reports
+        elif (data if len(data) >= len(_LAST_CHUNK) else b"".join(self.parts)).endswith(_LAST_CHUNK):
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+
+def _dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body -> its bytes."""
+    out, i = [], 0
+    while True:
+        eol = body.index(b"\r\n", i)
+        size = int(body[i:eol].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[eol + 2 : eol + 2 + size])
+        i = eol + 2 + size + 2
+
+
+def check_stream(raw: bytes, max_tokens: int) -> tuple[int, int, str | None]:
+    """One streamed completion's raw HTTP response -> (tokens, SSE chunks with text, what was wrong or
+    None when the stream is exact: max_tokens tokens of the stand-in's text, finish_reason length,
+    usage right, no error, [DONE] last)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return 0, 0, head.split(b"\r\n")[0].decode(errors="replace") or "no response"
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _dechunk(body)
+    events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return 0, 0, "the stream did not end with [DONE]"
+    text, chunks, usage, finish = [], 0, None, None
+    for event in map(json.loads, events[:-1]):
+        if "error" in event:
+            return 0, chunks, event["error"]["message"]
+        if event.get("choices"):
+            chunks += 1
+            text.append(event["choices"][0]["text"])
+            finish = event["choices"][0]["finish_reason"] or finish
+        elif event.get("usage"):
+            usage = event["usage"]
+    text = "".join(text)
+    tokens = text.count(TEXT)
+    if text != TEXT * max_tokens or finish != "length" or not usage or usage["completion_tokens"] != max_tokens:
+        return tokens, chunks, f"{tokens} tokens, finish {finish}, usage {usage}"
+    return tokens, chunks, None
+
+
+async def run_level(host: str, port: int, concurrency: int, max_tokens: int, seconds: float) -> dict:
     stats = {"tokens": 0, "streams": 0, "exact": 0, "chunks": 0, "errors": []}
+    body = json.dumps({"model": MODEL, "prompt": "a b c", "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    loop = asyncio.get_running_loop()
 
-    async def worker(client):
+    async def worker():
+        connection = None
         while time.perf_counter() < deadline:
-            await one_stream(client, f"{base_url}/v1/completions", max_tokens, stats)
+            if connection is None or connection.closed:
+                _, connection = await loop.create_connection(_Connection, host, port)
+            await connection.send(request)
+            tokens, chunks, error = check_stream(b"".join(connection.parts), max_tokens)
+            stats["tokens"] += tokens
+            stats["streams"] += 1
+            stats["exact"] += error is None
+            stats["chunks"] += chunks
+            if error is not None and len(stats["errors"]) < 3:
+                stats["errors"].append(error)
+        if connection is not None:
+            connection.transport.close()
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        stats["seconds"] = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    stats["seconds"] = time.perf_counter() - start
     return stats
 
 
@@ -88,13 +150,16 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each level starts new streams")
+    parser.add_argument("--trace", action="store_true", help="also print the stub's step and send timings per level")
     args = parser.parse_args()
 
     folder = stand_in_repository(Path(tempfile.mkdtemp()), args.step_ms, max(args.concurrency))
     logs = REPO_ROOT / "artifacts" / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
+    trace = Path(tempfile.mkdtemp()) / "step-trace"  # backend/engine_loop.StepTrace appends the instance name
     triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=folder, supervise=False)  # fmt: skip
+                          model_repository=folder, supervise=False,
+                          extra_env={"LLM_STEP_TRACE": str(trace)} if args.trace else None)  # fmt: skip
     triton.start(log_path=logs / "wire-tritonserver.log")
     frontend = None
     report = {"step_ms": args.step_ms, "max_tokens": args.max_tokens, "levels": {}}
@@ -102,11 +167,10 @@ def main() -> None:
         frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "wire-frontend.log")
         pids = {"stub": next(iter(stub_processes(triton.proc.pid))), "tritonserver": triton.proc.pid,
                 "frontend": frontend.proc.pid, "client": os.getpid()}  # fmt: skip
-        base = frontend.url.rstrip("/").removesuffix("/v1")
-        asyncio.run(run_level(base, 4, 8, 0.5))  # warm-up
+        asyncio.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
         for c in args.concurrency:
-            before = thread_cpu(pids)
-            stats = asyncio.run(run_level(base, c, args.max_tokens, args.seconds))
+            before, since = thread_cpu(pids), time.perf_counter()
+            stats = asyncio.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
             delta = cpu_delta(before, thread_cpu(pids))
             tokens = max(stats["tokens"], 1)
             cpu = cpu_per_process(delta)
@@ -123,6 +187,15 @@ def main() -> None:
             print(f"c={c}: {level['tok_s']} tok/s reached the clients (offered {level['offered_tok_s']}); "
                   f"{stats['exact']}/{stats['streams']} streams exact; {level['chunks_per_token']} chunks per token; "
                   f"CPU ms/token {level['cpu_ms_per_token']}", flush=True)  # fmt: skip
+            if args.trace:
+                time.sleep(1.0)  # the stub writes its trace once the engine is idle
+                for path in sorted(trace.parent.glob("step-trace.*")):
+                    steps, sends = read_trace(path, since)
+                    level["trace"] = step_figures(steps, sends)
+                    span = steps[-1][1] - steps[0][0] if len(steps) > 1 else 0.0
+                    level["trace"]["steps_per_s"] = len(steps) / span if span else None
+                    print(f"  {path.name}: {level['trace']}")
+                level["threads"] = print_cpu(delta, tokens)["threads"]
     finally:
         if frontend is not None:
             frontend.stop()
