@@ -47,9 +47,12 @@ IDLE_WAIT_S = 0.05
 # large GPU batch, a stalled client) the engine goes on and the sender joins the steps that queue up.
 SEND_WAIT_S = 0.05
 SEND_WAIT_FRACTION = 0.25
-# How often running requests are asked whether their client went away: each question is a round trip
-# to tritonserver, which per step and per request would lengthen every step.
+# How often running requests are asked whether their client went away, and how many at most each time:
+# each question is a round trip to tritonserver, which per step and per request would lengthen every
+# step. Beyond CANCEL_CHECKS_PER_POLL running requests they are asked in turn, so a cancelled one is
+# noticed within CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL).
 CANCEL_POLL_S = 0.05
+CANCEL_CHECKS_PER_POLL = 32
 
 
 class StepTrace:
@@ -93,8 +96,10 @@ class EngineLoop(Generic[Sink]):
         self._is_cancelled = is_cancelled
         self._on_stats = on_stats
         self._incoming: queue.Queue[tuple[GenerateRequest, Sink]] = queue.Queue()
-        self._outgoing: queue.Queue[tuple[Sink, EngineOutput] | None] = queue.Queue()
+        # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
+        self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._cancel_turn: list[str] = []  # request ids still to be asked in this round (engine thread)
         self._unsent = 0  # outputs routed and not yet sent
         self._sent = threading.Condition()
         self._stopping = threading.Event()
@@ -152,8 +157,7 @@ class EngineLoop(Generic[Sink]):
                     took = time.perf_counter() - start
                     if self._trace is not None:
                         self._trace.add("step", start, start + took, str(len(outputs)))
-                    for output in outputs:
-                        self._route(output)
+                    self._enqueue([routed for output in outputs if (routed := self._route(output)) is not None])
                     self._wait_until_sent(min(SEND_WAIT_S, SEND_WAIT_FRACTION * took))
                     stats_current = False
                 now = time.monotonic()
@@ -170,8 +174,12 @@ class EngineLoop(Generic[Sink]):
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)
         # Whatever is still running when the model is unloaded ends with an error, not silence.
-        for request_id, sink in list(self._sinks.items()):
-            self._enqueue(sink, RequestFailure(request_id, "the model is shutting down"))
+        self._enqueue(
+            [
+                (sink, RequestFailure(request_id, "the model is shutting down"))
+                for request_id, sink in self._sinks.items()
+            ]
+        )
         self._sinks.clear()
 
     def _admit(self, block: bool) -> None:
@@ -185,30 +193,41 @@ class EngineLoop(Generic[Sink]):
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
             except InvalidRequestError as e:
-                self._enqueue(sink, RequestFailure.refused(request.request_id, e))
+                self._enqueue([(sink, RequestFailure.refused(request.request_id, e))])
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 return
 
     def _abort_cancelled(self) -> None:
-        for request_id, sink in list(self._sinks.items()):
-            if self._is_cancelled(sink):
+        """Asks the next CANCEL_CHECKS_PER_POLL running requests whether their client went away."""
+        if not self._cancel_turn:
+            self._cancel_turn = list(self._sinks)
+        asked, self._cancel_turn = (
+            self._cancel_turn[:CANCEL_CHECKS_PER_POLL],
+            self._cancel_turn[CANCEL_CHECKS_PER_POLL:],
+        )
+        for request_id in asked:
+            sink = self._sinks.get(request_id)  # (it may have finished since the round began)
+            if sink is not None and self._is_cancelled(sink):
                 self.engine.abort_request(request_id)
 
-    def _route(self, output: EngineOutput) -> None:
+    def _route(self, output: EngineOutput) -> tuple[Sink, EngineOutput] | None:
+        """The output with its sink (None when its request is gone); forgets requests that end."""
         sink = self._sinks.get(output.request_id)
         if sink is None:
-            return
+            return None
         if isinstance(output, RequestFailure) or (isinstance(output, StepOutput) and output.request_finished):
             del self._sinks[output.request_id]
-        self._enqueue(sink, output)
+        return sink, output
 
-    def _enqueue(self, sink: Sink, output: EngineOutput) -> None:
+    def _enqueue(self, outputs: list[tuple[Sink, EngineOutput]]) -> None:
         """Every output goes to the sender through here: the count the next step waits on."""
+        if not outputs:
+            return
         with self._sent:
-            self._unsent += 1
-        self._outgoing.put((sink, output))
+            self._unsent += len(outputs)
+        self._outgoing.put(outputs)
 
     def _wait_until_sent(self, timeout: float) -> None:
         """The next step starts once this step's responses are sent (or `timeout` passed): sending
@@ -222,15 +241,16 @@ class EngineLoop(Generic[Sink]):
     def _sender_main(self) -> None:
         stopping = False
         while not stopping:
-            pending = [self._outgoing.get()]
+            batches = [self._outgoing.get()]
             while True:  # everything queued by now goes out together, each sequence's steps joined
                 try:
-                    pending.append(self._outgoing.get_nowait())
+                    batches.append(self._outgoing.get_nowait())
                 except queue.Empty:
                     break
-            if None in pending:
+            if None in batches:
                 stopping = True
-                pending = pending[: pending.index(None)]
+                batches = batches[: batches.index(None)]
+            pending = [item for batch in batches for item in batch]
             for sink, output, covered in coalesce(pending):
                 try:
                     start = time.perf_counter()

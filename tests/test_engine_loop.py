@@ -53,6 +53,39 @@ def test_requests_stream_to_their_own_sinks_and_cancellation_aborts():
         loop.stop()
 
 
+def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
+    # Each question is a round trip to tritonserver: beyond the budget, requests are asked in turn.
+    monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 2)
+    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.0)
+    engine = tiny_engine()
+    asked: list[Sink] = []
+    loop = EngineLoop(lambda: engine, send=send, is_cancelled=lambda s: asked.append(s) or s.cancelled)
+    per_poll: list[int] = []
+    poll = loop._abort_cancelled
+
+    def counted_poll():
+        before = len(asked)
+        poll()
+        per_poll.append(len(asked) - before)
+
+    loop._abort_cancelled = counted_poll
+    loop.start()
+    try:
+        sinks = [Sink() for _ in range(5)]
+        for i, sink in enumerate(sinks):
+            loop.submit(engine.make_request(f"r{i}", "x", SamplingParams(max_tokens=400, ignore_eos=True)), sink)
+        deadline = time.monotonic() + 30
+        while not all(sink.outputs for sink in sinks) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for sink in sinks:
+            sink.cancelled = True
+        assert all(sink.done.wait(30) for sink in sinks)
+        assert all(sink.outputs[-1].finish_reason.value == "abort" for sink in sinks)
+        assert max(per_poll) == 2  # the budget binds, and no poll asks more
+    finally:
+        loop.stop()
+
+
 def test_duplicate_request_id_is_refused_with_an_error_and_others_go_on():
     engine = tiny_engine()
     loop = EngineLoop(lambda: engine, send=send)
