@@ -111,6 +111,8 @@ def _lp(texts: list[str], k: int) -> TokenLogprobs:
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out
     assert ("num_steps" in wire.encode_step(out)) == (out.num_steps > 1)  # absent means one step
+    # absent means the sequence goes on
+    assert ("finish_reason" in wire.encode_step(out)) == ("stop_reason" in wire.encode_step(out)) == out.finished
 
 
 async def test_decode_empty_final_and_malformed() -> None:
@@ -122,10 +124,23 @@ async def test_decode_empty_final_and_malformed() -> None:
     del missing.raw_output_contents[1]
     with pytest.raises(EngineFailure, match="step"):
         decode_response(missing, "r")
-    bad = encode_step(StepOutput("r", 0, 0, (1,), "x", None, None, None, 1, 1))
-    bad.raw_output_contents[4] = serialize_byte_tensor(np.array([b"exploded"], dtype=np.object_)).item()
+    bad = encode_step(StepOutput("r", 0, 0, (1,), "x", None, FinishReason.STOP, None, 1, 1, True))
+    finish = [o.name for o in bad.outputs].index("finish_reason")
+    bad.raw_output_contents[finish] = serialize_byte_tensor(np.array([b"exploded"], dtype=np.object_)).item()
     with pytest.raises(EngineFailure, match="malformed"):
         decode_response(bad, "r")
+    half = service_pb2.ModelInferResponse()
+    half.CopyFrom(encode_step(StepOutput("r", 0, 0, (1,), "x", None, FinishReason.STOP, None, 1, 1, True)))
+    stop = [o.name for o in half.outputs].index("stop_reason")
+    del half.outputs[stop]
+    del half.raw_output_contents[stop]
+    with pytest.raises(EngineFailure, match="stop_reason missing beside finish_reason"):
+        decode_response(half, "r")
+    no_raw = service_pb2.ModelInferResponse()
+    no_raw.CopyFrom(good)
+    del no_raw.raw_output_contents[:]
+    with pytest.raises(EngineFailure, match="raw output contents"):
+        decode_response(no_raw, "r")
 
 
 async def test_build_request() -> None:
