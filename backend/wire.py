@@ -15,17 +15,11 @@ import numpy as np
 
 from backend.types import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
 
-# Every output of the model config, in order. The logprob tensors travel only when asked for.
-STEP_OUTPUTS = (
-    "seq_index",
-    "step",
-    "token_ids",
-    "text_delta",
-    "finish_reason",
-    "stop_reason",
-    "num_prompt_tokens",
-    "num_output_tokens",
-)
+# The outputs of every step message.
+STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "num_prompt_tokens", "num_output_tokens")
+# Only in a sequence's last message; absent means the sequence goes on. Most messages are not a
+# sequence's last, and each tensor costs every process on the path (text ones the most).
+FINISH_OUTPUTS = ("finish_reason", "stop_reason")
 # Only in a response that joined several steps of a sequence (backend/coalescing.py); absent means 1.
 NUM_STEPS_OUTPUT = "num_steps"
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
@@ -51,11 +45,12 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
         "step": np.array([out.step], dtype=np.int32),
         "token_ids": np.array(out.token_ids, dtype=np.int32).reshape(len(out.token_ids)),
         "text_delta": _texts([out.text_delta], (1,)),
-        "finish_reason": _texts([out.finish_reason.value if out.finish_reason else ""], (1,)),
-        "stop_reason": _texts([json.dumps(out.stop_reason)], (1,)),
         "num_prompt_tokens": np.array([out.num_prompt_tokens], dtype=np.int32),
         "num_output_tokens": np.array([out.num_output_tokens], dtype=np.int32),
     }
+    if out.finish_reason is not None:
+        arrays["finish_reason"] = _texts([out.finish_reason.value], (1,))
+        arrays["stop_reason"] = _texts([json.dumps(out.stop_reason)], (1,))
     if out.num_steps != 1:
         arrays[NUM_STEPS_OUTPUT] = np.array([out.num_steps], dtype=np.int32)
     lp = out.logprobs
@@ -110,10 +105,7 @@ def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, reques
         return _text(tensor(name).reshape(-1)[0])
 
     try:
-        finish = scalar_text("finish_reason")
-        stop_reason = json.loads(scalar_text("stop_reason") or "null")
-        if stop_reason is not None and (isinstance(stop_reason, bool) or not isinstance(stop_reason, (str, int))):
-            raise ValueError(f"stop_reason must be null, a string or an integer, not {stop_reason!r}")
+        finish, stop_reason = _finish(get)
         return StepOutput(
             request_id=request_id,
             seq_index=scalar_int("seq_index"),
@@ -121,7 +113,7 @@ def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, reques
             token_ids=_ints(tensor("token_ids")),
             text_delta=scalar_text("text_delta"),
             logprobs=_decode_logprobs(get),
-            finish_reason=FinishReason(finish) if finish else None,
+            finish_reason=finish,
             stop_reason=stop_reason,
             num_prompt_tokens=scalar_int("num_prompt_tokens"),
             num_output_tokens=scalar_int("num_output_tokens"),
@@ -133,6 +125,17 @@ def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, reques
         raise
     except (ValueError, IndexError, UnicodeDecodeError) as e:  # JSON, enum, reshape, empty tensors, UTF-8
         raise WireError(f"malformed response: {e}") from None
+
+
+def _finish(get: Callable[[str], np.ndarray | None]) -> tuple[FinishReason | None, str | int | None]:
+    parts = _all_or_none(get, FINISH_OUTPUTS)
+    if parts is None:
+        return None, None
+    finish, stop = (_text(a.reshape(-1)[0]) for a in parts)
+    stop_reason = json.loads(stop or "null")
+    if stop_reason is not None and (isinstance(stop_reason, bool) or not isinstance(stop_reason, (str, int))):
+        raise ValueError(f"stop_reason must be null, a string or an integer, not {stop_reason!r}")
+    return FinishReason(finish), stop_reason
 
 
 def _decode_logprobs(get: Callable[[str], np.ndarray | None]) -> TokenLogprobs | None:

@@ -56,7 +56,9 @@ def test_perf_analyzer_streams_the_input_data(servers, tmp_path) -> None:
         outputs = request["response_outputs"]
         assert len(request["response_timestamps"]) == len(outputs) == max_tokens  # one response per token
         assert [o["step"] for o in outputs] == list(range(max_tokens))
-        assert all(o["finish_reason"] == "" for o in outputs[:-1])
+        assert all(
+            o["finish_reason"] == "" for o in outputs[:-1]
+        )  # absent (docs/wire-contract.md): perf_analyzer shows ""
         assert outputs[-1]["finish_reason"] == "length"
         assert outputs[-1]["num_output_tokens"] == max_tokens
 

@@ -38,6 +38,10 @@ def test_n2_finishing_in_the_same_step_keeps_every_token(servers, max_tokens):
     for responses in result.by_seq().values():
         assert sum(len(r.token_ids) for r in responses) == max_tokens
         assert responses[-1].finish_reason == "length"
+        # finish_reason and stop_reason travel in the sequence's last response only (docs/wire-contract.md)
+        assert [("finish_reason" in r.outputs, "stop_reason" in r.outputs) for r in responses] == [(False, False)] * (
+            len(responses) - 1
+        ) + [(True, True)]
 
 
 def test_text_and_token_ids_prompts_agree(servers):

@@ -30,6 +30,7 @@ class Response:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float] | None = None
     num_steps: int = 1  # a response that joined several steps of its sequence (docs/contract.md)
+    outputs: tuple[str, ...] = ()  # the names of the outputs the response carried
 
 
 @dataclass
@@ -74,12 +75,14 @@ def _decode(result) -> Response:
         step=int(arr("step")[0]),
         token_ids=[int(t) for t in arr("token_ids")],
         text_delta=text("text_delta"),
-        finish_reason=text("finish_reason"),
-        stop_reason=json.loads(text("stop_reason")),
+        # Only in a sequence's last response (docs/wire-contract.md): absent, it goes on.
+        finish_reason=text("finish_reason") if arr("finish_reason") is not None else "",
+        stop_reason=json.loads(text("stop_reason")) if arr("stop_reason") is not None else None,
         num_prompt_tokens=int(arr("num_prompt_tokens")[0]),
         num_output_tokens=int(arr("num_output_tokens")[0]),
         final=result.get_response().parameters["triton_final_response"].bool_param,
         num_steps=int(arr("num_steps")[0]) if arr("num_steps") is not None else 1,
+        outputs=tuple(o.name for o in result.get_response().outputs),
     )
     if arr("logprobs") is not None:
         r.logprobs = [float(x) for x in arr("logprobs")]
