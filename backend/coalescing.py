@@ -7,8 +7,10 @@ without losing or reordering anything: the joined message covers steps `step` ..
 with all their tokens, text, logprobs and the last one's counts and flags, so a receiver that joins
 messages gets exactly the stream it would have got step by step.
 
-Order: a group is sent where its last message was queued, so a request's final message (and a
-RequestFailure, never joined) still comes after everything else of that request.
+Order: the groups of requests that end in the batch go first, since their clients wait on them (a
+non-streaming client waits for nothing else, and a closed-loop one sends its next request only then);
+the others follow. Either way a group is placed where its last message was queued, so a request's
+final message (and a RequestFailure, never joined) still comes after everything else of that request.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
 
 def coalesce(pending: Sequence[tuple[Sink, EngineOutput]]) -> list[tuple[Sink, EngineOutput, int]]:
     """Queued (sink, message) pairs -> (sink, message, how many queued messages it covers), each
-    sequence's consecutive steps joined, in the order of each group's last message."""
+    sequence's consecutive steps joined; ending requests first, then in the order of each group's last
+    message."""
     groups: dict[object, list[int]] = {}
     for i, (_, out) in enumerate(pending):
         key = (out.request_id, out.seq_index) if isinstance(out, StepOutput) else ("failure", i)
         groups.setdefault(key, []).append(i)
+    ending = {out.request_id for _, out in pending if not isinstance(out, StepOutput) or out.request_finished}
     result = []
-    for indices in sorted(groups.values(), key=lambda idx: idx[-1]):
+    for indices in sorted(groups.values(), key=lambda idx: (pending[idx[0]][1].request_id not in ending, idx[-1])):
         sink, out = pending[indices[0]]
         if isinstance(out, StepOutput) and len(indices) > 1:
             out = join_steps([pending[i][1] for i in indices])

@@ -67,6 +67,17 @@ def test_coalesce_joins_per_sequence_and_keeps_the_final_message_last():
     check_stream_invariants(steps_only, {"r": 2})
 
 
+def test_requests_that_end_go_out_before_those_that_go_on():
+    outputs = engine_outputs()  # request "r": two sequences, to the end
+    going_on = [StepOutput("on", 0, step, (1,), "a", None, None, None, 3, step + 1) for step in (5, 6)]
+    failed = RequestFailure("failed", "boom")
+    pending = [("on-sink", going_on[0])] + [("sink", o) for o in outputs] + [("on-sink", going_on[1]), ("f", failed)]
+    messages = [out for _, out, _ in coalesce(pending)]
+    assert [m.request_id for m in messages] == ["r", "r", "failed", "on"]
+    assert messages[1].request_finished and messages[3].step == 5 and messages[3].num_steps == 2
+    check_stream_invariants(messages[:2], {"r": 2})
+
+
 def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
     # The engine steps on while the sender sleeps on every response: steps queue up, and each sequence's
     # pending steps go out as one response. Joined, the stream equals the engine's own, step by step.
