@@ -21,9 +21,12 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from benchmarks.serve_bench import make_prompts, run_inprocess_level, run_serving_level, summarize
@@ -116,6 +119,37 @@ def print_cpu(delta, tokens: int, top: int = 8) -> dict:
             f"{label}/{name}": [round(1e3 * cpu / tokens, 2), int(ctx)] for (label, name), (cpu, ctx) in busiest
         },
     }
+
+
+class PySpy:
+    """py-spy samples the Python stacks of some processes for `seconds`, starting `delay` seconds from
+    now (say, in the middle of a load); `top()` then gives each process's functions by the share of
+    samples in which they were running (their own code, not their callees)."""
+
+    def __init__(self, pids: dict[str, int], delay: float, seconds: float, folder: Path) -> None:
+        self.paths = {label: folder / f"py-spy-{label}.txt" for label in pids}
+        binary = str(Path(sys.executable).parent / "py-spy")
+        commands = [[binary, "record", "--format", "raw", "--nonblocking", "--rate", "200", "--duration",
+                     str(int(seconds)), "--pid", str(pid), "--output", str(self.paths[label])]
+                    for label, pid in pids.items()]  # fmt: skip
+        self._procs: list[subprocess.Popen] = []
+        self._timer = threading.Timer(delay, lambda: self._procs.extend(
+            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands))  # fmt: skip
+        self._timer.start()
+
+    def top(self, n: int = 12) -> dict[str, list[tuple[str, float]]]:
+        self._timer.join()
+        for proc in self._procs:
+            proc.wait()
+        result = {}
+        for label, path in self.paths.items():
+            own: Counter[str] = Counter()
+            for line in path.read_text().splitlines() if path.exists() else []:
+                stack, _, count = line.rpartition(" ")
+                own[stack.rsplit(";", 1)[-1].replace(str(Path.cwd()) + "/", "")] += int(count)
+            total = max(1, sum(own.values()))
+            result[label] = [(frame, round(100 * k / total, 1)) for frame, k in own.most_common(n)]
+        return result
 
 
 def main() -> None:

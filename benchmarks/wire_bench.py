@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 
 from backend.stand_in_engine import TOKEN_TEXT as TEXT
-from benchmarks.serve_profile import cpu_delta, cpu_per_process, print_cpu, read_trace, step_figures, thread_cpu
+from benchmarks.serve_profile import (
+    PySpy,
+    cpu_delta,
+    cpu_per_process,
+    print_cpu,
+    read_trace,
+    step_figures,
+    thread_cpu,
+)
 from scripts.servers import DEFAULT_MODEL as MODEL
 from scripts.servers import REPO_ROOT, Frontend, TritonServer, copy_model_repository, free_port, stub_processes
 
@@ -151,12 +159,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each level starts new streams")
     parser.add_argument("--trace", action="store_true", help="also print the stub's step and send timings per level")
+    parser.add_argument(
+        "--py-spy", action="store_true", help="also sample the stub's and the frontend's Python stacks mid-level"
+    )
     args = parser.parse_args()
 
     folder = stand_in_repository(Path(tempfile.mkdtemp()), args.step_ms, max(args.concurrency))
     logs = REPO_ROOT / "artifacts" / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    trace = Path(tempfile.mkdtemp()) / "step-trace"  # backend/engine_loop.StepTrace appends the instance name
+    scratch = Path(tempfile.mkdtemp())
+    trace = scratch / "step-trace"  # backend/engine_loop.StepTrace appends the instance name
     triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           model_repository=folder, supervise=False,
                           extra_env={"LLM_STEP_TRACE": str(trace)} if args.trace else None)  # fmt: skip
@@ -170,6 +182,8 @@ def main() -> None:
         asyncio.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
         for c in args.concurrency:
             before, since = thread_cpu(pids), time.perf_counter()
+            profiled = {k: pids[k] for k in ("stub", "frontend")}
+            spy = PySpy(profiled, args.seconds / 3, args.seconds / 3, scratch) if args.py_spy else None
             stats = asyncio.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
             delta = cpu_delta(before, thread_cpu(pids))
             tokens = max(stats["tokens"], 1)
@@ -187,9 +201,15 @@ def main() -> None:
             print(f"c={c}: {level['tok_s']} tok/s reached the clients (offered {level['offered_tok_s']}); "
                   f"{stats['exact']}/{stats['streams']} streams exact; {level['chunks_per_token']} chunks per token; "
                   f"CPU ms/token {level['cpu_ms_per_token']}", flush=True)  # fmt: skip
+            if spy is not None:
+                level["py_spy"] = spy.top()
+                for label, frames in level["py_spy"].items():
+                    print(f"  py-spy {label} (share of samples running in each function itself):")
+                    for frame, share in frames:
+                        print(f"    {share:5.1f}% {frame}")
             if args.trace:
                 time.sleep(1.0)  # the stub writes its trace once the engine is idle
-                for path in sorted(trace.parent.glob("step-trace.*")):
+                for path in sorted(scratch.glob("step-trace.*")):
                     steps, sends = read_trace(path, since)
                     level["trace"] = step_figures(steps, sends)
                     span = steps[-1][1] - steps[0][0] if len(steps) > 1 else 0.0
@@ -201,6 +221,7 @@ def main() -> None:
             frontend.stop()
         triton.stop()
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(report))
 
 
