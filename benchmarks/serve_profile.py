@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--skip-inprocess", action="store_true")
+    parser.add_argument("--skip-served", action="store_true")
     parser.add_argument(
         "--renice",
         type=int,
@@ -183,43 +184,45 @@ def main() -> None:
     }
     report: dict = {"served": {}, "inprocess": {}}
 
-    logs = REPO_ROOT / "artifacts" / "bench-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    trace = Path(tempfile.mkdtemp()) / "steps"
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          extra_env={"LLM_STEP_TRACE": str(trace)}, supervise=False)  # fmt: skip
-    triton.start(log_path=logs / "tritonserver.log")
-    frontend = None
-    try:
-        frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
-        stub = next(iter(stub_processes(triton.proc.pid)))
-        pids = {"tritonserver": triton.proc.pid, "stub": stub, "frontend": frontend.proc.pid, "client": os.getpid()}
-        base = frontend.url.rstrip("/").removesuffix("/v1")
-        if args.renice:
-            for label, pid in pids.items():
-                for task in Path(f"/proc/{pid}/task").glob("*") if label != "stub" else ():
-                    os.setpriority(os.PRIO_PROCESS, int(task.name), args.renice)
-        asyncio.run(run_serving_level(base, "smollm2-135m-instruct", make_prompts(tok, 2, 16, 99), 4, 2, False))
-        for c in args.concurrency:
-            time.sleep(0.5)  # the warm-up's (or last level's) trace is flushed at idle
-            since, before = time.perf_counter(), thread_cpu(pids)
-            records = asyncio.run(
-                run_serving_level(base, "smollm2-135m-instruct", prompts[c], args.max_tokens, c, False)
-            )
-            delta = cpu_delta(before, thread_cpu(pids))
-            time.sleep(0.5)
-            level = summarize(c, records)
-            steps, sends = read_trace(trace.with_name(f"steps.{next(iter(_instances(trace)))}"), since)
-            figs = step_figures(steps, sends)
-            print(
-                f"served c={c}: {level.output_tok_s:.1f} tok/s, ITL p50 {level.itl_ms_p50:.1f} ms; {figs}", flush=True
-            )
-            report["served"][c] = {"tok_s": round(level.output_tok_s, 2), **_rounded(figs),
-                                   **print_cpu(delta, level.output_tokens)}  # fmt: skip
-    finally:
-        if frontend is not None:
-            frontend.stop()
-        triton.stop()
+    if not args.skip_served:
+        logs = REPO_ROOT / "artifacts" / "bench-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        trace = Path(tempfile.mkdtemp()) / "steps"
+        triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                              extra_env={"LLM_STEP_TRACE": str(trace)}, supervise=False)  # fmt: skip
+        triton.start(log_path=logs / "tritonserver.log")
+        frontend = None
+        try:
+            frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
+            stub = next(iter(stub_processes(triton.proc.pid)))
+            pids = {"tritonserver": triton.proc.pid, "stub": stub, "frontend": frontend.proc.pid, "client": os.getpid()}
+            base = frontend.url.rstrip("/").removesuffix("/v1")
+            if args.renice:
+                for label, pid in pids.items():
+                    for task in Path(f"/proc/{pid}/task").glob("*") if label != "stub" else ():
+                        os.setpriority(os.PRIO_PROCESS, int(task.name), args.renice)
+            asyncio.run(run_serving_level(base, "smollm2-135m-instruct", make_prompts(tok, 2, 16, 99), 4, 2, False))
+            for c in args.concurrency:
+                time.sleep(0.5)  # the warm-up's (or last level's) trace is flushed at idle
+                since, before = time.perf_counter(), thread_cpu(pids)
+                records = asyncio.run(
+                    run_serving_level(base, "smollm2-135m-instruct", prompts[c], args.max_tokens, c, False)
+                )
+                delta = cpu_delta(before, thread_cpu(pids))
+                time.sleep(0.5)
+                level = summarize(c, records)
+                steps, sends = read_trace(trace.with_name(f"steps.{next(iter(_instances(trace)))}"), since)
+                figs = step_figures(steps, sends)
+                print(
+                    f"served c={c}: {level.output_tok_s:.1f} tok/s, ITL p50 {level.itl_ms_p50:.1f} ms; {figs}",
+                    flush=True,
+                )
+                report["served"][c] = {"tok_s": round(level.output_tok_s, 2), **_rounded(figs),
+                                       **print_cpu(delta, level.output_tokens)}  # fmt: skip
+        finally:
+            if frontend is not None:
+                frontend.stop()
+            triton.stop()
 
     if not args.skip_inprocess:
         engine = LLMEngine(EngineConfig(), checkpoint=checkpoint)
