@@ -3,6 +3,9 @@
 The engine thread never blocks on the network: it steps the engine and puts the (already frozen)
 outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
 shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
+A third thread asks the running requests' sinks whether their client went away (each question is a
+round trip to tritonserver, which on the engine thread would hold up the next step) and hands the
+engine thread the ids to abort.
 
 Responses go out between steps: the next step starts once the sender has sent the last one's (up
 to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
@@ -47,10 +50,10 @@ IDLE_WAIT_S = 0.05
 # large GPU batch, a stalled client) the engine goes on and the sender joins the steps that queue up.
 SEND_WAIT_S = 0.05
 SEND_WAIT_FRACTION = 0.25
-# How often running requests are asked whether their client went away, and how many at most each time:
-# each question is a round trip to tritonserver, which per step and per request would lengthen every
-# step. Beyond CANCEL_CHECKS_PER_POLL running requests they are asked in turn, so a cancelled one is
-# noticed within CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL).
+# How often running requests are asked whether their client went away, and how many at most each time
+# (each question is a round trip to tritonserver, on the cancel-watcher thread). Beyond
+# CANCEL_CHECKS_PER_POLL running requests they are asked in turn, so a cancelled one is noticed within
+# CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL).
 CANCEL_POLL_S = 0.05
 CANCEL_CHECKS_PER_POLL = 32
 
@@ -99,12 +102,18 @@ class EngineLoop(Generic[Sink]):
         # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
         self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
-        self._cancel_turn: list[str] = []  # request ids still to be asked in this round (engine thread)
+        # The running requests' sinks as the cancel watcher sees them (the engine thread adds and
+        # removes), and the ids it found cancelled (the engine thread aborts them).
+        self._watched: dict[str, Sink] = {}
+        self._watched_lock = threading.Lock()
+        self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
         self._sent = threading.Condition()
         self._stopping = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
         self._sender_thread = threading.Thread(target=self._sender_main, name="response-sender", daemon=True)
+        self._watcher_thread = threading.Thread(target=self._watcher_main, name="cancel-watcher", daemon=True)
 
     def start(self) -> LLMEngine:
         """Builds the engine on the engine thread and starts stepping it; returns the engine (for
@@ -114,11 +123,13 @@ class EngineLoop(Generic[Sink]):
         if self._build_error is not None:
             raise self._build_error
         self._sender_thread.start()
+        self._watcher_thread.start()
         return self.engine
 
     def is_running(self) -> bool:
-        """Both threads are alive and no stop was asked: what a health probe reports."""
-        return not self._stopping.is_set() and self._engine_thread.is_alive() and self._sender_thread.is_alive()
+        """Every thread is alive and no stop was asked: what a health probe reports."""
+        threads = (self._engine_thread, self._sender_thread, self._watcher_thread)
+        return not self._stopping.is_set() and all(t.is_alive() for t in threads)
 
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         """Thread-safe: called from Triton's execute()."""
@@ -129,8 +140,9 @@ class EngineLoop(Generic[Sink]):
         if self._engine_thread.ident is not None:
             self._engine_thread.join(timeout)
         self._outgoing.put(None)
-        if self._sender_thread.ident is not None:  # (not started when building the engine failed)
-            self._sender_thread.join(timeout)
+        for thread in (self._sender_thread, self._watcher_thread):
+            if thread.ident is not None:  # (not started when building the engine failed)
+                thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -142,14 +154,12 @@ class EngineLoop(Generic[Sink]):
             return
         finally:
             self._built.set()
-        last_stats = last_cancel_poll = 0.0
+        last_stats = 0.0
         stats_current = False  # published since the engine last did any work
         while not self._stopping.is_set():
             try:
                 self._admit(block=not self.engine.has_work())
-                if time.monotonic() - last_cancel_poll >= CANCEL_POLL_S:
-                    self._abort_cancelled()
-                    last_cancel_poll = time.monotonic()
+                self._abort_cancelled()
                 busy = self.engine.has_work()
                 if busy:
                     start = time.perf_counter()
@@ -192,6 +202,8 @@ class EngineLoop(Generic[Sink]):
             try:
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
+                with self._watched_lock:
+                    self._watched[request.request_id] = sink
             except InvalidRequestError as e:
                 self._enqueue([(sink, RequestFailure.refused(request.request_id, e))])
             try:
@@ -200,16 +212,13 @@ class EngineLoop(Generic[Sink]):
                 return
 
     def _abort_cancelled(self) -> None:
-        """Asks the next CANCEL_CHECKS_PER_POLL running requests whether their client went away."""
-        if not self._cancel_turn:
-            self._cancel_turn = list(self._sinks)
-        asked, self._cancel_turn = (
-            self._cancel_turn[:CANCEL_CHECKS_PER_POLL],
-            self._cancel_turn[CANCEL_CHECKS_PER_POLL:],
-        )
-        for request_id in asked:
-            sink = self._sinks.get(request_id)  # (it may have finished since the round began)
-            if sink is not None and self._is_cancelled(sink):
+        """Aborts the requests the cancel watcher found cancelled (those still running)."""
+        while True:
+            try:
+                request_id = self._cancelled.get_nowait()
+            except queue.Empty:
+                return
+            if request_id in self._sinks:
                 self.engine.abort_request(request_id)
 
     def _route(self, output: EngineOutput) -> tuple[Sink, EngineOutput] | None:
@@ -219,6 +228,8 @@ class EngineLoop(Generic[Sink]):
             return None
         if isinstance(output, RequestFailure) or (isinstance(output, StepOutput) and output.request_finished):
             del self._sinks[output.request_id]
+            with self._watched_lock:
+                self._watched.pop(output.request_id, None)
         return sink, output
 
     def _enqueue(self, outputs: list[tuple[Sink, EngineOutput]]) -> None:
@@ -264,3 +275,27 @@ class EngineLoop(Generic[Sink]):
                         self._unsent -= covered
                         if self._unsent == 0:
                             self._sent.notify_all()
+
+    # -- cancel-watcher thread ----------------------------------------------------------------
+
+    def _watcher_main(self) -> None:
+        while not self._stopping.wait(CANCEL_POLL_S):
+            try:
+                self._poll_cancellation()
+            except Exception:  # one failed question must not end the watching
+                logger.exception("asking whether requests were cancelled failed")
+
+    def _poll_cancellation(self) -> None:
+        """Asks the next CANCEL_CHECKS_PER_POLL running requests whether their client went away."""
+        if not self._cancel_turn:
+            with self._watched_lock:
+                self._cancel_turn = list(self._watched)
+        asked = self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
+        del self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
+        for request_id in asked:
+            with self._watched_lock:
+                sink = self._watched.get(request_id)  # (it may have ended since the round began)
+            if sink is not None and self._is_cancelled(sink):
+                with self._watched_lock:
+                    self._watched.pop(request_id, None)  # asked no more
+                self._cancelled.put(request_id)

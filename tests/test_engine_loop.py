@@ -56,19 +56,26 @@ def test_requests_stream_to_their_own_sinks_and_cancellation_aborts():
 def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
     # Each question is a round trip to tritonserver: beyond the budget, requests are asked in turn.
     monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 2)
-    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.0)
+    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.001)
     engine = tiny_engine()
     asked: list[Sink] = []
-    loop = EngineLoop(lambda: engine, send=send, is_cancelled=lambda s: asked.append(s) or s.cancelled)
+    asked_on: set[str] = set()
+
+    def is_cancelled(sink: Sink) -> bool:
+        asked.append(sink)
+        asked_on.add(threading.current_thread().name)
+        return sink.cancelled
+
+    loop = EngineLoop(lambda: engine, send=send, is_cancelled=is_cancelled)
     per_poll: list[int] = []
-    poll = loop._abort_cancelled
+    poll = loop._poll_cancellation
 
     def counted_poll():
         before = len(asked)
         poll()
         per_poll.append(len(asked) - before)
 
-    loop._abort_cancelled = counted_poll
+    loop._poll_cancellation = counted_poll
     loop.start()
     try:
         sinks = [Sink() for _ in range(5)]
@@ -82,6 +89,7 @@ def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
         assert all(sink.done.wait(30) for sink in sinks)
         assert all(sink.outputs[-1].finish_reason.value == "abort" for sink in sinks)
         assert max(per_poll) == 2  # the budget binds, and no poll asks more
+        assert asked_on == {"cancel-watcher"}  # each question is a round trip: never on the engine thread
     finally:
         loop.stop()
 
