@@ -106,7 +106,7 @@ class EngineLoop(Generic[Sink]):
         # removes), and the ids it found cancelled (the engine thread aborts them).
         self._watched: dict[str, Sink] = {}
         self._watched_lock = threading.Lock()
-        self._cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._cancelled: queue.SimpleQueue[tuple[str, Sink]] = queue.SimpleQueue()
         self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
         self._sent = threading.Condition()
@@ -215,10 +215,10 @@ class EngineLoop(Generic[Sink]):
         """Aborts the requests the cancel watcher found cancelled (those still running)."""
         while True:
             try:
-                request_id = self._cancelled.get_nowait()
+                request_id, sink = self._cancelled.get_nowait()
             except queue.Empty:
                 return
-            if request_id in self._sinks:
+            if self._sinks.get(request_id) is sink:  # (not a later request that reused the id)
                 self.engine.abort_request(request_id)
 
     def _route(self, output: EngineOutput) -> tuple[Sink, EngineOutput] | None:
@@ -298,4 +298,4 @@ class EngineLoop(Generic[Sink]):
             if sink is not None and self._is_cancelled(sink):
                 with self._watched_lock:
                     self._watched.pop(request_id, None)  # asked no more
-                self._cancelled.put(request_id)
+                self._cancelled.put((request_id, sink))
