@@ -44,6 +44,7 @@ def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path
 
 
 _LAST_CHUNK = b"\r\n0\r\n\r\n"  # the end of a chunked body (the CRLF closes the chunk before it)
+_STATUS_OK = b"HTTP/1.1 200"
 
 
 class _Connection(asyncio.Protocol):
@@ -55,21 +56,28 @@ class _Connection(asyncio.Protocol):
         self.parts: list[bytes] = []
         self.done: asyncio.Future[None] | None = None
         self.closed = False
+        self._received = 0
+        self._status_checked = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
 
     def send(self, request: bytes) -> asyncio.Future[None]:
-        self.parts = []
+        self.parts, self._received, self._status_checked = [], 0, False
         self.done = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return self.done
 
     def data_received(self, data: bytes) -> None:
         self.parts.append(data)
-        if len(self.parts) == 1 and not data.startswith(b"HTTP/1.1 200"):
-            self.transport.close()  # an error answer: its status line is all check_stream reports
-        elif (data if len(data) >= len(_LAST_CHUNK) else b"".join(self.parts)).endswith(_LAST_CHUNK):
+        self._received += len(data)
+        if not self._status_checked and self._received >= len(_STATUS_OK):
+            self._status_checked = True
+            if not b"".join(self.parts).startswith(_STATUS_OK):
+                self.transport.close()  # an error answer: its status line is all check_stream reports
+                return
+        tail = data if len(data) >= len(_LAST_CHUNK) else b"".join(self.parts)[-len(_LAST_CHUNK) :]
+        if self._status_checked and tail.endswith(_LAST_CHUNK):
             self.done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -95,7 +103,7 @@ def check_stream(raw: bytes, max_tokens: int) -> tuple[int, int, str | None]:
     None when the stream is exact: max_tokens tokens of the stand-in's text, finish_reason length,
     usage right, no error, [DONE] last)."""
     head, _, body = raw.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
+    if not head.startswith(_STATUS_OK):
         return 0, 0, head.split(b"\r\n")[0].decode(errors="replace") or "no response"
     if b"transfer-encoding: chunked" in head.lower():
         body = _dechunk(body)
