@@ -28,6 +28,7 @@ from tests.e2e.helpers import read_sse
 
 pytestmark = pytest.mark.slow
 LOGS = REPO_ROOT / "artifacts" / "test-logs"
+ONE = f"{DEFAULT_MODEL}_0_0"  # the instance label of a one-instance model
 
 
 def metrics(url: str, name: str) -> dict[str, float]:
@@ -40,6 +41,16 @@ def metrics(url: str, name: str) -> dict[str, float]:
             instance = re.search(r'instance="([^"]+)"', line)
             out[instance.group(1) if instance else ""] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def metrics_once(url: str, name: str, ok, timeout: float = 10.0) -> dict[str, float]:
+    """The metric's values by instance once `ok(values)` holds (or the last ones read): the engine
+    publishes its stats between steps and when it goes idle, a moment after the last response went out,
+    one metric after another."""
+    deadline = time.monotonic() + timeout
+    while not ok(values := metrics(url, name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return values
 
 
 async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_blocks(tmp_path):
@@ -60,7 +71,9 @@ async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_b
                 *(http.post("/v1/completions", json={**body, "prompt": f"Story {i}:"}) for i in range(8))
             )
             assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24 for r in responses)
-            generated = metrics(triton.metrics_url, "llm_generation_tokens_total")
+            generated = metrics_once(
+                triton.metrics_url, "llm_generation_tokens_total", lambda g: len(g) == 2 and all(g.values())
+            )
             assert len(generated) == 2 and all(v > 0 for v in generated.values()), generated  # both engines
 
             started = asyncio.Event()
@@ -79,8 +92,9 @@ async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_b
         while metrics(triton.metrics_url, "llm_kv_blocks_used")[busy[0]] > 0:
             assert time.monotonic() < deadline, "the engine that ran the cancelled request kept its blocks"
             await asyncio.sleep(0.2)
-        after = metrics(triton.metrics_url, "llm_aborted_requests_total")
-        assert after[busy[0]] == aborted.get(busy[0], 0) + 1  # aborted in the engine that ran it
+        want = aborted.get(busy[0], 0) + 1
+        after = metrics_once(triton.metrics_url, "llm_aborted_requests_total", lambda a: a.get(busy[0]) == want)
+        assert after[busy[0]] == want  # aborted in the engine that ran it
     finally:
         frontend.stop()
         triton.stop()
@@ -111,7 +125,8 @@ async def test_one_frontend_over_two_tritonservers(tmp_path):
                 before = metrics(t.metrics_url, "llm_prompt_tokens_total")[f"{DEFAULT_MODEL}_0_0"]
                 for prompt in prompts_preferring(url, urls, 2):
                     assert (await http.post("/v1/completions", json={**body, "prompt": prompt})).status_code == 200
-                assert metrics(t.metrics_url, "llm_prompt_tokens_total")[f"{DEFAULT_MODEL}_0_0"] > before
+                after = metrics_once(t.metrics_url, "llm_prompt_tokens_total", lambda m, b=before: m.get(ONE, 0) > b)
+                assert after[ONE] > before
 
             # A long shared prefix: both requests on one server, whose prefix cache then hits.
             system = "You are a careful assistant who answers in one short sentence. " * 12
@@ -120,7 +135,8 @@ async def test_one_frontend_over_two_tritonservers(tmp_path):
                     await http.post("/v1/completions", json={**body, "prompt": system + question})
                 ).status_code == 200
             home = urls.index(rendezvous_order(affinity_key(system + "x"), urls)[0])
-            assert metrics(tritons[home].metrics_url, "llm_prefix_cache_hit_ratio")[f"{DEFAULT_MODEL}_0_0"] > 0
+            hits = metrics_once(tritons[home].metrics_url, "llm_prefix_cache_hit_ratio", lambda m: m.get(ONE, 0) > 0)
+            assert hits[ONE] > 0
 
             # SIGKILL one server mid-stream: its streams end with an error event; every next request succeeds.
             victim = tritons[0]
