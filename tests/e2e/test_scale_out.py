@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import time
-import urllib.request
 
 import httpx
 import pytest
@@ -17,53 +15,22 @@ import pytest
 from openai_frontend.server_pool import affinity_key, rendezvous_order
 from scripts.servers import (
     DEFAULT_MODEL,
-    REPO_ROOT,
     Frontend,
     TritonServer,
     copy_model_repository,
     free_port,
     stub_processes,
 )
-from tests.e2e.helpers import read_sse
+from tests.e2e.helpers import LOGS, read_sse, running_servers
+from tests.e2e.triton_stream import metrics, metrics_once
 
 pytestmark = pytest.mark.slow
-LOGS = REPO_ROOT / "artifacts" / "test-logs"
 ONE = f"{DEFAULT_MODEL}_0_0"  # the instance label of a one-instance model
 
 
-def metrics(url: str, name: str) -> dict[str, float]:
-    """Values of one metric by its `instance` label (or "" without one)."""
-    with urllib.request.urlopen(url, timeout=5) as f:
-        text = f.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            instance = re.search(r'instance="([^"]+)"', line)
-            out[instance.group(1) if instance else ""] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def metrics_once(url: str, name: str, ok, timeout: float = 10.0) -> dict[str, float]:
-    """The metric's values by instance once `ok(values)` holds (or the last ones read): the engine
-    publishes its stats between steps and when it goes idle, a moment after the last response went out,
-    one metric after another."""
-    deadline = time.monotonic() + timeout
-    while not ok(values := metrics(url, name)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return values
-
-
 async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_blocks(tmp_path):
-    triton = TritonServer(
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        model_repository=copy_model_repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }"),
-    )
-    triton.start(log_path=LOGS / "tritonserver-instances.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
-    try:
-        frontend.start(log_path=LOGS / "frontend-instances.log")
+    repository = copy_model_repository(tmp_path, instance_group="{ count: 2 kind: KIND_CPU }")
+    with running_servers(repository, "instances") as (triton, frontend):
         assert len(stub_processes(triton.proc.pid)) == 2
         body = {"model": DEFAULT_MODEL, "max_tokens": 24, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
@@ -95,9 +62,6 @@ async def test_two_instances_in_one_tritonserver_both_serve_and_free_their_own_b
         want = aborted.get(busy[0], 0) + 1
         after = metrics_once(triton.metrics_url, "llm_aborted_requests_total", lambda a: a.get(busy[0]) == want)
         assert after[busy[0]] == want  # aborted in the engine that ran it
-    finally:
-        frontend.stop()
-        triton.stop()
 
 
 def prompts_preferring(url: str, urls: list[str], count: int, prefix: str = "") -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -121,12 +122,34 @@ async def stream_generate(url: str, model: str, prompt, params, cancel_after: in
         await client.close()
 
 
+def metrics(url: str, name: str) -> dict[str, float]:
+    """Values of one metric by its `instance` label (or "" without one)."""
+    with urllib.request.urlopen(url, timeout=5) as f:
+        text = f.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            instance = re.search(r'instance="([^"]+)"', line)
+            out[instance.group(1) if instance else ""] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def metrics_once(url: str, name: str, ok, timeout: float = 10.0) -> dict[str, float]:
+    """The metric's values by instance once `ok(values)` holds (or the last ones read): the engine
+    publishes its stats between steps and when it goes idle, a moment after the last response went out,
+    one metric after another."""
+    deadline = time.monotonic() + timeout
+    while not ok(values := metrics(url, name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return values
+
+
 def metric_value(metrics_url: str, name: str) -> float:
-    with urllib.request.urlopen(metrics_url, timeout=5) as f:
-        for line in f.read().decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    """The value of a metric of a one-instance model (its first series)."""
+    values = metrics(metrics_url, name)
+    if not values:
+        raise KeyError(name)
+    return next(iter(values.values()))
 
 
 def wait_until_aborted_and_freed(metrics_url: str, aborted_before: float, timeout: float = 20.0) -> None:
