@@ -174,7 +174,7 @@ def main() -> None:
     from backend.checkpoint import load_checkpoint
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
-    from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+    from scripts.servers import REPO_ROOT, running_servers, stub_processes
 
     checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
     tok = checkpoint.tokenizer
@@ -185,15 +185,10 @@ def main() -> None:
     report: dict = {"served": {}, "inprocess": {}}
 
     if not args.skip_served:
-        logs = REPO_ROOT / "artifacts" / "bench-logs"
-        logs.mkdir(parents=True, exist_ok=True)
         trace = Path(tempfile.mkdtemp()) / "steps"
-        triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              extra_env={"LLM_STEP_TRACE": str(trace)}, supervise=False)  # fmt: skip
-        triton.start(log_path=logs / "tritonserver.log")
-        frontend = None
-        try:
-            frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
+        env = {"LLM_STEP_TRACE": str(trace)}
+        with running_servers(REPO_ROOT / "artifacts" / "bench-logs", extra_env=env, supervise=False) as servers:
+            triton, frontend = servers
             stub = next(iter(stub_processes(triton.proc.pid)))
             pids = {"tritonserver": triton.proc.pid, "stub": stub, "frontend": frontend.proc.pid, "client": os.getpid()}
             base = frontend.url.rstrip("/").removesuffix("/v1")
@@ -219,10 +214,6 @@ def main() -> None:
                 )
                 report["served"][c] = {"tok_s": round(level.output_tok_s, 2), **_rounded(figs),
                                        **print_cpu(delta, level.output_tokens)}  # fmt: skip
-        finally:
-            if frontend is not None:
-                frontend.stop()
-            triton.stop()
 
     if not args.skip_inprocess:
         engine = LLMEngine(EngineConfig(), checkpoint=checkpoint)

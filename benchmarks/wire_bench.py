@@ -35,7 +35,7 @@ from benchmarks.serve_profile import (
     thread_cpu,
 )
 from scripts.servers import DEFAULT_MODEL as MODEL
-from scripts.servers import REPO_ROOT, Frontend, TritonServer, copy_model_repository, free_port, stub_processes
+from scripts.servers import REPO_ROOT, copy_model_repository, running_servers, stub_processes
 
 
 def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path:
@@ -160,6 +160,46 @@ async def run_level(host: str, port: int, concurrency: int, max_tokens: int, sec
     return stats
 
 
+def run_and_report(c: int, args: argparse.Namespace, frontend, pids: dict[str, int], scratch: Path) -> dict:
+    """One level: its streams, then what it printed (and returns): tok/s, exactness, CPU per token, and
+    with --py-spy / --trace the stub's and frontend's hottest functions / the stub's step timings."""
+    before, since = thread_cpu(pids), time.perf_counter()
+    profiled = {k: pids[k] for k in ("stub", "frontend")}
+    spy = PySpy(profiled, args.seconds / 3, args.seconds / 3, scratch) if args.py_spy else None
+    stats = asyncio.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
+    delta = cpu_delta(before, thread_cpu(pids))
+    tokens = max(stats["tokens"], 1)
+    cpu = cpu_per_process(delta)
+    level = {
+        "tok_s": round(stats["tokens"] / stats["seconds"], 1),
+        "offered_tok_s": round(c / (args.step_ms / 1e3), 1),
+        "streams": stats["streams"],
+        "exact_streams": stats["exact"],
+        "chunks_per_token": round(stats["chunks"] / tokens, 3),
+        "cpu_ms_per_token": {k: round(1e3 * v / tokens, 3) for k, v in cpu.items()},
+        "errors": stats["errors"],
+    }
+    print(f"c={c}: {level['tok_s']} tok/s reached the clients (offered {level['offered_tok_s']}); "
+          f"{stats['exact']}/{stats['streams']} streams exact; {level['chunks_per_token']} chunks per token; "
+          f"CPU ms/token {level['cpu_ms_per_token']}", flush=True)  # fmt: skip
+    if spy is not None:
+        level["py_spy"] = spy.top()
+        for label, frames in level["py_spy"].items():
+            print(f"  py-spy {label} (share of samples running in each function itself):")
+            for frame, share in frames:
+                print(f"    {share:5.1f}% {frame}")
+    if args.trace:
+        time.sleep(1.0)  # the stub writes its trace once the engine is idle
+        for path in sorted(scratch.glob("step-trace.*")):
+            steps, sends = read_trace(path, since)
+            level["trace"] = step_figures(steps, sends)
+            span = steps[-1][1] - steps[0][0] if len(steps) > 1 else 0.0
+            level["trace"]["steps_per_s"] = len(steps) / span if span else None
+            print(f"  {path.name}: {level['trace']}")
+        level["threads"] = print_cpu(delta, tokens)["threads"]
+    return level
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
@@ -173,61 +213,20 @@ def main() -> None:
     args = parser.parse_args()
 
     folder = stand_in_repository(Path(tempfile.mkdtemp()), args.step_ms, max(args.concurrency))
-    logs = REPO_ROOT / "artifacts" / "bench-logs"
-    logs.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp())
     trace = scratch / "step-trace"  # backend/engine_loop.StepTrace appends the instance name
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=folder, supervise=False,
-                          extra_env={"LLM_STEP_TRACE": str(trace)} if args.trace else None)  # fmt: skip
-    triton.start(log_path=logs / "wire-tritonserver.log")
-    frontend = None
     report = {"step_ms": args.step_ms, "max_tokens": args.max_tokens, "levels": {}}
+    logs = REPO_ROOT / "artifacts" / "bench-logs"
+    env = {"LLM_STEP_TRACE": str(trace)} if args.trace else None
     try:
-        frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "wire-frontend.log")
-        pids = {"stub": next(iter(stub_processes(triton.proc.pid))), "tritonserver": triton.proc.pid,
-                "frontend": frontend.proc.pid, "client": os.getpid()}  # fmt: skip
-        asyncio.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
-        for c in args.concurrency:
-            before, since = thread_cpu(pids), time.perf_counter()
-            profiled = {k: pids[k] for k in ("stub", "frontend")}
-            spy = PySpy(profiled, args.seconds / 3, args.seconds / 3, scratch) if args.py_spy else None
-            stats = asyncio.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
-            delta = cpu_delta(before, thread_cpu(pids))
-            tokens = max(stats["tokens"], 1)
-            cpu = cpu_per_process(delta)
-            level = {
-                "tok_s": round(stats["tokens"] / stats["seconds"], 1),
-                "offered_tok_s": round(c / (args.step_ms / 1e3), 1),
-                "streams": stats["streams"],
-                "exact_streams": stats["exact"],
-                "chunks_per_token": round(stats["chunks"] / tokens, 3),
-                "cpu_ms_per_token": {k: round(1e3 * v / tokens, 3) for k, v in cpu.items()},
-                "errors": stats["errors"],
-            }
-            report["levels"][c] = level
-            print(f"c={c}: {level['tok_s']} tok/s reached the clients (offered {level['offered_tok_s']}); "
-                  f"{stats['exact']}/{stats['streams']} streams exact; {level['chunks_per_token']} chunks per token; "
-                  f"CPU ms/token {level['cpu_ms_per_token']}", flush=True)  # fmt: skip
-            if spy is not None:
-                level["py_spy"] = spy.top()
-                for label, frames in level["py_spy"].items():
-                    print(f"  py-spy {label} (share of samples running in each function itself):")
-                    for frame, share in frames:
-                        print(f"    {share:5.1f}% {frame}")
-            if args.trace:
-                time.sleep(1.0)  # the stub writes its trace once the engine is idle
-                for path in sorted(scratch.glob("step-trace.*")):
-                    steps, sends = read_trace(path, since)
-                    level["trace"] = step_figures(steps, sends)
-                    span = steps[-1][1] - steps[0][0] if len(steps) > 1 else 0.0
-                    level["trace"]["steps_per_s"] = len(steps) / span if span else None
-                    print(f"  {path.name}: {level['trace']}")
-                level["threads"] = print_cpu(delta, tokens)["threads"]
+        with running_servers(logs, "-wire", model_repository=folder, supervise=False, extra_env=env) as servers:
+            triton, frontend = servers
+            pids = {"stub": next(iter(stub_processes(triton.proc.pid))), "tritonserver": triton.proc.pid,
+                    "frontend": frontend.proc.pid, "client": os.getpid()}  # fmt: skip
+            asyncio.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
+            for c in args.concurrency:
+                report["levels"][c] = run_and_report(c, args, frontend, pids, scratch)
     finally:
-        if frontend is not None:
-            frontend.stop()
-        triton.stop()
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(report))

@@ -22,6 +22,7 @@ import sysconfig
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,3 +337,20 @@ class Frontend(_Process):
     def stop(self, timeout: float = 45.0) -> None:
         """SIGTERM: the frontend drains (up to its shutdown grace period, 30 s by default) and exits."""
         super().stop(timeout)
+
+
+@contextlib.contextmanager
+def running_servers(logs: Path, suffix: str = "", **triton_args) -> Iterator[tuple[TritonServer, Frontend]]:
+    """tritonserver on free ports (`triton_args` for TritonServer: model_repository, extra_env, ...) and a
+    frontend on it, both started, both stopped on leaving; logs: `logs`/tritonserver{suffix}.log and
+    frontend{suffix}.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **triton_args)
+    triton.start(log_path=logs / f"tritonserver{suffix}.log")
+    frontend = Frontend(triton.grpc_url, port=free_port())
+    try:
+        frontend.start(log_path=logs / f"frontend{suffix}.log")
+        yield triton, frontend
+    finally:
+        frontend.stop()
+        triton.stop()

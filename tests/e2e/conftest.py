@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port
+from scripts.servers import DEFAULT_MODEL, Frontend, TritonServer, running_servers
+from tests.e2e.helpers import LOGS
 
 
 @dataclass(frozen=True)
@@ -30,16 +31,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def servers() -> Servers:
-    logs = REPO_ROOT / "artifacts" / "test-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    triton.start(log_path=logs / "tritonserver.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
-    try:
-        frontend.start(log_path=logs / "frontend.log")
-    except BaseException:
-        triton.stop()
-        raise
-    yield Servers(triton, frontend)
-    frontend.stop()
-    triton.stop()
+    with running_servers(LOGS) as (triton, frontend):
+        yield Servers(triton, frontend)

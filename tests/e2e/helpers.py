@@ -4,32 +4,23 @@ repository of their own (scripts.servers.copy_model_repository), and an SSE stre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 
-from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
+import scripts.servers
+from scripts.servers import REPO_ROOT, Frontend, TritonServer
 
 LOGS = REPO_ROOT / "artifacts" / "test-logs"
 
 
-@contextlib.contextmanager
-def running_servers(repository: Path, name: str, **triton_args) -> Iterator[tuple[TritonServer, Frontend]]:
+def running_servers(
+    repository: Path, name: str, **triton_args
+) -> AbstractContextManager[tuple[TritonServer, Frontend]]:
     """tritonserver on `repository` and a frontend on it, on free ports (logs: artifacts/test-logs/*-NAME.log)."""
-    LOGS.mkdir(parents=True, exist_ok=True)
-    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          model_repository=repository, **triton_args)  # fmt: skip
-    triton.start(log_path=LOGS / f"tritonserver-{name}.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
-    try:
-        frontend.start(log_path=LOGS / f"frontend-{name}.log")
-        yield triton, frontend
-    finally:
-        frontend.stop()
-        triton.stop()
+    return scripts.servers.running_servers(LOGS, f"-{name}", model_repository=repository, **triton_args)
 
 
 async def read_sse(
