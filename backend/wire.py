@@ -2,13 +2,15 @@
 
 `encode_step` is what the Triton model sends (model_repository/<model>/1/model.py) and `decode_step`
 what the frontend's Triton client reads back, so the two sides cannot drift apart: a round-trip test
-holds them together. Text tensors are numpy object arrays of UTF-8 bytes, as Triton's BYTES type is.
+holds them together. The model's text tensors are numpy object arrays of UTF-8 bytes, as Triton's
+BYTES type is; the frontend decodes the raw bytes tritonserver sends.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,110 +80,175 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _num_steps(get: Callable[[str], np.ndarray | None]) -> int:
-    array = get(NUM_STEPS_OUTPUT)
-    num_steps = 1 if array is None else int(array.reshape(-1)[0])
+# One output tensor as Triton carries it: (datatype, shape, raw bytes). Numbers are little-endian;
+# a BYTES tensor is each element's 4-byte length followed by its bytes.
+RawTensor = tuple[str, tuple[int, ...], bytes]
+
+
+def decode_step(tensors: Mapping[str, RawTensor], request_id: str, request_finished: bool) -> StepOutput:
+    """The StepOutput of one response, from its output tensors by name (absent ones are not in it).
+
+    Decoded straight from the raw bytes: a response is a handful of tiny tensors, and numpy arrays
+    cost more to make than the values they hold. Raises WireError when a tensor of the contract is
+    missing or malformed.
+    """
+    try:
+        finish, stop_reason = _finish(tensors)
+        return StepOutput(
+            request_id=request_id,
+            seq_index=_scalar_int(tensors, "seq_index"),
+            step=_scalar_int(tensors, "step"),
+            token_ids=_ints(_required(tensors, "token_ids")),
+            text_delta=_scalar_text(tensors, "text_delta"),
+            logprobs=_decode_logprobs(tensors),
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=_scalar_int(tensors, "num_prompt_tokens"),
+            num_output_tokens=_scalar_int(tensors, "num_output_tokens"),
+            request_finished=request_finished,
+            prompt_logprobs=_decode_prompt_logprobs(tensors),
+            num_steps=_num_steps(tensors),
+        )
+    except WireError:
+        raise
+    except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:  # JSON, enum, sizes, UTF-8
+        raise WireError(f"malformed response: {e}") from None
+
+
+def _required(tensors: Mapping[str, RawTensor], name: str) -> RawTensor:
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise WireError(f"the response lacks output `{name}`")
+    return tensor
+
+
+def _scalar_int(tensors: Mapping[str, RawTensor], name: str) -> int:
+    values = _ints(_required(tensors, name))
+    if len(values) != 1:
+        raise ValueError(f"`{name}` must hold one value, not {len(values)}")
+    return values[0]
+
+
+def _scalar_text(tensors: Mapping[str, RawTensor], name: str) -> str:
+    values = _strs(_required(tensors, name))
+    if len(values) != 1:
+        raise ValueError(f"`{name}` must hold one string, not {len(values)}")
+    return values[0]
+
+
+def _num_steps(tensors: Mapping[str, RawTensor]) -> int:
+    num_steps = _scalar_int(tensors, NUM_STEPS_OUTPUT) if NUM_STEPS_OUTPUT in tensors else 1
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
     return num_steps
 
 
-def decode_step(get: Callable[[str], np.ndarray | None], request_id: str, request_finished: bool) -> StepOutput:
-    """The StepOutput of one response; `get(name)` returns an output tensor or None when absent.
-
-    Raises WireError when a tensor of the contract is missing or malformed.
-    """
-
-    def tensor(name: str) -> np.ndarray:
-        array = get(name)
-        if array is None:
-            raise WireError(f"the response lacks output `{name}`")
-        return array
-
-    def scalar_int(name: str) -> int:
-        return int(tensor(name).reshape(-1)[0])
-
-    def scalar_text(name: str) -> str:
-        return _text(tensor(name).reshape(-1)[0])
-
-    try:
-        finish, stop_reason = _finish(get)
-        return StepOutput(
-            request_id=request_id,
-            seq_index=scalar_int("seq_index"),
-            step=scalar_int("step"),
-            token_ids=_ints(tensor("token_ids")),
-            text_delta=scalar_text("text_delta"),
-            logprobs=_decode_logprobs(get),
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=scalar_int("num_prompt_tokens"),
-            num_output_tokens=scalar_int("num_output_tokens"),
-            request_finished=request_finished,
-            prompt_logprobs=_decode_prompt_logprobs(get),
-            num_steps=_num_steps(get),
-        )
-    except WireError:
-        raise
-    except (ValueError, IndexError, UnicodeDecodeError) as e:  # JSON, enum, reshape, empty tensors, UTF-8
-        raise WireError(f"malformed response: {e}") from None
-
-
-def _finish(get: Callable[[str], np.ndarray | None]) -> tuple[FinishReason | None, str | int | None]:
-    parts = _all_or_none(get, FINISH_OUTPUTS)
-    if parts is None:
+def _finish(tensors: Mapping[str, RawTensor]) -> tuple[FinishReason | None, str | int | None]:
+    if _all_or_none(tensors, FINISH_OUTPUTS) is None:
         return None, None
-    finish, stop = (_text(a.reshape(-1)[0]) for a in parts)
+    finish, stop = (_scalar_text(tensors, name) for name in FINISH_OUTPUTS)
     stop_reason = json.loads(stop or "null")
     if stop_reason is not None and (isinstance(stop_reason, bool) or not isinstance(stop_reason, (str, int))):
         raise ValueError(f"stop_reason must be null, a string or an integer, not {stop_reason!r}")
     return FinishReason(finish), stop_reason
 
 
-def _decode_logprobs(get: Callable[[str], np.ndarray | None]) -> TokenLogprobs | None:
-    parts = _all_or_none(get, LOGPROB_OUTPUTS)
+def _decode_logprobs(tensors: Mapping[str, RawTensor]) -> TokenLogprobs | None:
+    parts = _all_or_none(tensors, LOGPROB_OUTPUTS)
     if parts is None:
         return None
     lp, texts, top_ids, top_lps, top_texts = parts
-    n = lp.reshape(-1).shape[0]
-    return TokenLogprobs(logprobs=_floats(lp), token_texts=_strs(texts), **_top(top_ids, top_lps, top_texts, n))
-
-
-def _decode_prompt_logprobs(get: Callable[[str], np.ndarray | None]) -> PromptLogprobs | None:
-    parts = _all_or_none(get, PROMPT_LOGPROB_OUTPUTS)
-    if parts is None:
-        return None
-    ids, texts, lp, ranks, top_ids, top_lps, top_texts = parts
-    n = lp.reshape(-1).shape[0]
-    if ids.reshape(-1).shape[0] != texts.reshape(-1).shape[0] or ranks.reshape(-1).shape[0] != n:
-        raise ValueError("prompt logprob outputs disagree on their lengths")
-    return PromptLogprobs(
-        token_ids=_ints(ids),
-        token_texts=_strs(texts),
-        logprobs=_floats(lp),
-        ranks=_ints(ranks),
-        **_top(top_ids, top_lps, top_texts, n),
+    logprobs = _floats(lp)
+    return TokenLogprobs(
+        logprobs=logprobs, token_texts=_strs(texts), **_top(top_ids, top_lps, top_texts, len(logprobs))
     )
 
 
-def _all_or_none(get: Callable[[str], np.ndarray | None], names: Sequence[str]) -> list[np.ndarray] | None:
-    arrays = [get(name) for name in names]
-    if arrays[0] is None:
+def _decode_prompt_logprobs(tensors: Mapping[str, RawTensor]) -> PromptLogprobs | None:
+    parts = _all_or_none(tensors, PROMPT_LOGPROB_OUTPUTS)
+    if parts is None:
         return None
-    missing = [name for name, a in zip(names, arrays) if a is None]
+    ids, texts, lp, ranks, top_ids, top_lps, top_texts = parts
+    token_ids, token_texts, logprobs, prompt_ranks = _ints(ids), _strs(texts), _floats(lp), _ints(ranks)
+    if len(token_ids) != len(token_texts) or len(prompt_ranks) != len(logprobs):
+        raise ValueError("prompt logprob outputs disagree on their lengths")
+    return PromptLogprobs(
+        token_ids=token_ids,
+        token_texts=token_texts,
+        logprobs=logprobs,
+        ranks=prompt_ranks,
+        **_top(top_ids, top_lps, top_texts, len(logprobs)),
+    )
+
+
+def _all_or_none(tensors: Mapping[str, RawTensor], names: Sequence[str]) -> list[RawTensor] | None:
+    if names[0] not in tensors:
+        return None
+    missing = [name for name in names if name not in tensors]
     if missing:
         raise ValueError(f"outputs {', '.join(missing)} missing beside {names[0]}")
-    return arrays  # type: ignore[return-value]
+    return [tensors[name] for name in names]
 
 
-def _top(ids: np.ndarray, lps: np.ndarray, texts: np.ndarray, n: int) -> dict[str, Any]:
-    k = ids.shape[-1] if ids.ndim == 2 else 0
-    ids, lps, texts = (a.reshape(n, k) for a in (ids, lps, texts))
+def _top(ids: RawTensor, lps: RawTensor, texts: RawTensor, n: int) -> dict[str, Any]:
+    """The [n, k] alternatives of n tokens, as n rows of k."""
+    shape = ids[1]
+    k = shape[-1] if len(shape) == 2 else 0
     return {
-        "top_token_ids": tuple(tuple(int(t) for t in row) for row in ids),
-        "top_logprobs": tuple(tuple(float(x) for x in row) for row in lps),
-        "top_token_texts": tuple(tuple(_text(t) for t in row) for row in texts),
+        "top_token_ids": _rows(_ints(ids), n, k),
+        "top_logprobs": _rows(_floats(lps), n, k),
+        "top_token_texts": _rows(_strs(texts), n, k),
     }
+
+
+def _rows(values: tuple[Any, ...], n: int, k: int) -> tuple[tuple[Any, ...], ...]:
+    if len(values) != n * k:
+        raise ValueError(f"{len(values)} values do not make {n} rows of {k}")
+    return tuple(values[i * k : (i + 1) * k] for i in range(n))
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    size = 1
+    for dim in shape:
+        size *= dim
+    return size
+
+
+def _numbers(tensor: RawTensor, datatype: str, code: str) -> tuple[Any, ...]:
+    kind, shape, data = tensor
+    if kind != datatype:
+        raise ValueError(f"expected {datatype}, got {kind}")
+    count = _size(shape)
+    if len(data) != 4 * count:
+        raise ValueError(f"{len(data)} bytes for {count} {datatype} values")
+    return struct.unpack(f"<{count}{code}", data)
+
+
+def _ints(tensor: RawTensor) -> tuple[int, ...]:
+    return _numbers(tensor, "INT32", "i")
+
+
+def _floats(tensor: RawTensor) -> tuple[float, ...]:
+    return _numbers(tensor, "FP32", "f")
+
+
+def _strs(tensor: RawTensor) -> tuple[str, ...]:
+    kind, shape, data = tensor
+    if kind != "BYTES":
+        raise ValueError(f"expected BYTES, got {kind}")
+    out, i, end = [], 0, len(data)
+    while i < end:
+        (length,) = _LENGTH.unpack_from(data, i)
+        i += 4 + length
+        if i > end:
+            raise ValueError("a BYTES element runs past the tensor's end")
+        out.append(data[i - length : i].decode("utf-8"))
+    if len(out) != _size(shape):
+        raise ValueError(f"{len(out)} strings for shape {list(shape)}")
+    return tuple(out)
+
+
+_LENGTH = struct.Struct("<I")
 
 
 def _width(rows: tuple[tuple[Any, ...], ...]) -> int:
@@ -190,19 +257,3 @@ def _width(rows: tuple[tuple[Any, ...], ...]) -> int:
 
 def _texts(values: Sequence[str], shape: tuple[int, ...]) -> np.ndarray:
     return np.array([v.encode("utf-8") for v in values], dtype=np.object_).reshape(shape)
-
-
-def _ints(array: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(t) for t in array.reshape(-1))
-
-
-def _floats(array: np.ndarray) -> tuple[float, ...]:
-    return tuple(float(x) for x in array.reshape(-1))
-
-
-def _strs(array: np.ndarray) -> tuple[str, ...]:
-    return tuple(_text(t) for t in array.reshape(-1))
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

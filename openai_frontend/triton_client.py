@@ -10,8 +10,8 @@ the empty final response (`triton_enable_empty_final_response` is a reserved par
 and it has no keyword for it, unlike the sync client). Without it a model that ends a request with a
 flags-only response would leave us waiting forever. So the request is built here from public
 protobuf types and sent through the client's own stub (`_client_stub`, the one attribute of
-tritonclient used that is not public); responses are decoded with tritonclient's public byte-tensor
-helpers (`response_outputs`).
+tritonclient used that is not public). Step responses are decoded from the raw bytes of their outputs
+(backend/wire.py), the health probe's with tritonclient's InferResult.
 Cancelling the gRPC call (on client disconnect) makes Triton cancel the request, and the model's
 `is_cancelled()` lets the engine free its blocks.
 """
@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -31,9 +31,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import (
     InferenceServerException,
-    deserialize_bytes_tensor,
     serialize_byte_tensor,
-    triton_to_np_dtype,
 )
 
 from backend import wire
@@ -107,26 +105,12 @@ def decode_response(response: service_pb2.ModelInferResponse, request_id: str) -
         raise EngineFailure(f"malformed Triton response: {e}", code="bad_response") from None
 
 
-def response_outputs(response: service_pb2.ModelInferResponse) -> Callable[[str], np.ndarray | None]:
-    """A response's output arrays by name (None when absent), indexed once: InferResult.as_numpy walks
-    every output's protobuf wrappers for each name asked, and decode_step asks for up to 21 names."""
+def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, wire.RawTensor]:
+    """A response's output tensors by name, as tritonserver sent them (every output as raw bytes)."""
     outputs, raw = response.outputs, response.raw_output_contents
-    if len(raw) != len(outputs):  # tritonserver sends every output as raw bytes
+    if len(raw) != len(outputs):
         raise wire.WireError(f"{len(outputs)} outputs but {len(raw)} raw output contents")
-    by_name = {output.name: (output, data) for output, data in zip(outputs, raw)}
-
-    def get(name: str) -> np.ndarray | None:
-        entry = by_name.get(name)
-        if entry is None:
-            return None
-        output, data = entry
-        if output.datatype == "BYTES":
-            array = deserialize_bytes_tensor(data)
-        else:
-            array = np.frombuffer(data, dtype=triton_to_np_dtype(output.datatype))
-        return array.reshape(tuple(output.shape))
-
-    return get
+    return {output.name: (output.datatype, tuple(output.shape), data) for output, data in zip(outputs, raw)}
 
 
 def parse_model_config(name: str, config: Any) -> ModelInfo | None:

@@ -143,6 +143,39 @@ async def test_decode_empty_final_and_malformed() -> None:
         decode_response(no_raw, "r")
 
 
+async def test_decode_checks_raw_sizes_and_types() -> None:
+    """Responses are decoded from their raw bytes: every size and datatype is checked against the shape."""
+    good = encode_step(scripted_steps([["a"]])[0])
+    names = [o.name for o in good.outputs]
+
+    def broken(name: str, raw: bytes | None = None, datatype: str | None = None, shape: list[int] | None = None):
+        response = service_pb2.ModelInferResponse()
+        response.CopyFrom(good)
+        i = names.index(name)
+        if raw is not None:
+            response.raw_output_contents[i] = raw
+        if datatype is not None:
+            response.outputs[i].datatype = datatype
+        if shape is not None:
+            del response.outputs[i].shape[:]
+            response.outputs[i].shape.extend(shape)
+        return response
+
+    cases = [
+        broken("step", raw=b"\x01\x00\x00"),  # 3 bytes for one INT32
+        broken("step", raw=np.array([1, 2], dtype=np.int32).tobytes(), shape=[2]),  # two steps
+        broken("token_ids", datatype="FP32"),
+        broken("text_delta", raw=b"\x09\x00\x00\x00abc"),  # an element longer than the tensor
+        broken("text_delta", shape=[2]),  # one string for two
+        broken("text_delta", raw=b"\x02\x00\x00\x00\xff\xfe"),  # not UTF-8
+    ]
+    for response in cases:
+        with pytest.raises(EngineFailure, match="malformed") as raised:
+            decode_response(response, "r")
+        assert raised.value.code == "bad_response"
+    assert decode_response(broken("step", raw=np.array([0], dtype=np.int32).tobytes()), "r").step == 0
+
+
 async def test_build_request() -> None:
     params = SamplingParams(n=2, max_tokens=5, stop=("x",), logprobs=1, logit_bias=((3, 1.0),))
     request = build_request("llm", "Hello \u00e9", params, "req-1")
