@@ -7,7 +7,9 @@ prompts in its prefix cache), max_tokens fixed with ignore_eos, default sampling
 at concurrency 1, 8 and 32 (a finished request's slot is refilled at once).
 
 (a) serving: streaming /v1/completions (or /v1/chat/completions with --endpoint chat) through
-    httpx.AsyncClient against the frontend, i.e. HTTP + SSE, the frontend, tritonclient gRPC
+    keep-alive HTTP/1.1 connections (benchmarks/sse_client.py, a client that keeps the bytes and
+    parses each stream once it ended, so it takes little of the servers' CPU) against the frontend,
+    i.e. HTTP + SSE, the frontend, tritonclient gRPC
     streaming, tritonserver and the decoupled Python backend. Without --url it starts its own
     tritonserver and frontend on free loopback ports (scripts/servers.py) and stops them before (b).
 (b) in-process: backend.engine.LLMEngine(EngineConfig()) driven by `step()` in this process (the
@@ -40,11 +42,13 @@ import json
 import random
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.sse_client import SSEConnection, post_request, timed_events
 from scripts.perf_tools import percentile
 
 # Common English words; those that are one token with a leading space make the prompts, so each
@@ -192,42 +196,38 @@ def default_requests(concurrency: int) -> int:
 # ------------------------------------------------------------------------------------------ serving
 
 
-async def stream_one(client, url: str, payload: dict, rec: RequestRecord, chat: bool) -> None:
+def read_stream(connection: SSEConnection, rec: RequestRecord, chat: bool) -> None:
+    """One streamed response, once it has ended -> `rec` (each token timed when its event arrived)."""
+    error, events = timed_events(connection)
+    if error is not None:
+        rec.error = error
+        return
     usage = None
-    try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                rec.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = str(chunk["error"])
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                choices = chunk.get("choices") or []
-                if not choices:
-                    continue
-                delta = choices[0].get("delta", {}) if chat else choices[0]
-                if chat and "role" in delta:
-                    continue  # the role chunk carries no token
-                now = time.perf_counter()
-                if rec.first is None:
-                    rec.first = now
-                rec.last = now
-                rec.chunks += 1
-                text = delta.get("content" if chat else "text") or ""
-                if text:
-                    rec.text_chunks += 1
-                    rec.text += text
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        rec.error = f"{type(e).__name__}: {e}"
+    for arrived, data in events:
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            rec.error = str(chunk["error"])
+            return
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            continue
+        delta = choices[0].get("delta", {}) if chat else choices[0]
+        if chat and "role" in delta:
+            continue  # the role chunk carries no token
+        if rec.first is None:
+            rec.first = arrived
+        rec.last = arrived
+        rec.chunks += 1
+        text = delta.get("content" if chat else "text") or ""
+        if text:
+            rec.text_chunks += 1
+            rec.text += text
+    else:
+        rec.error = "the stream did not end with [DONE]"
         return
     if usage is None:
         rec.error = "no usage chunk"
@@ -245,11 +245,14 @@ async def run_serving_level(
     chat: bool,
     extra_body: dict | None = None,
 ) -> list[RequestRecord]:
-    import httpx
-
-    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
+    """Streams every prompt, `concurrency` at a time, each worker on one keep-alive connection
+    (benchmarks/sse_client.py: the client takes as little of the servers' CPU as it can)."""
+    url = urllib.parse.urlsplit(base_url)
+    host, port = url.hostname, url.port or 80
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     records: list[RequestRecord] = []
     queue = list(range(len(prompts)))
+    loop = asyncio.get_running_loop()
 
     def payload(i: int) -> dict:
         body = {
@@ -266,16 +269,25 @@ async def run_serving_level(
             body["prompt"] = prompts[i]
         return body
 
-    async def worker(client) -> None:
+    async def worker() -> None:
+        connection = None
         while queue:
-            i = queue.pop(0)
+            request = post_request(host, port, path, payload(queue.pop(0)))
             rec = RequestRecord(sent=time.perf_counter())
             records.append(rec)
-            await stream_one(client, url, payload(i), rec, chat)
+            try:
+                if connection is None or connection.closed:
+                    _, connection = await loop.create_connection(SSEConnection, host, port)
+                rec.sent = time.perf_counter()
+                await connection.send(request)
+            except OSError as e:
+                rec.error = f"{type(e).__name__}: {e}"
+                continue
+            read_stream(connection, rec, chat)
+        if connection is not None:
+            connection.transport.close()
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records
 
 

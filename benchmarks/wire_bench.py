@@ -34,6 +34,7 @@ from benchmarks.serve_profile import (
     step_figures,
     thread_cpu,
 )
+from benchmarks.sse_client import STATUS_OK, SSEConnection, dechunk, post_request
 from scripts.servers import DEFAULT_MODEL as MODEL
 from scripts.servers import REPO_ROOT, copy_model_repository, running_servers, stub_processes
 
@@ -43,70 +44,15 @@ def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path
     return copy_model_repository(folder, added, max_num_seqs=str(max_num_seqs))
 
 
-_LAST_CHUNK = b"\r\n0\r\n\r\n"  # the end of a chunked body (the CRLF closes the chunk before it)
-_STATUS_OK = b"HTTP/1.1 200"
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection that keeps what arrives and nothing more. A client that
-    parses each event as it comes (httpx is pure Python) spends more CPU per chunk than the frontend,
-    on the same two cores; this one checks each stream once it has ended."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.done: asyncio.Future[None] | None = None
-        self.closed = False
-        self._received = 0
-        self._status_checked = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def send(self, request: bytes) -> asyncio.Future[None]:
-        self.parts, self._received, self._status_checked = [], 0, False
-        self.done = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return self.done
-
-    def data_received(self, data: bytes) -> None:
-        self.parts.append(data)
-        self._received += len(data)
-        if not self._status_checked and self._received >= len(_STATUS_OK):
-            self._status_checked = True
-            if not b"".join(self.parts).startswith(_STATUS_OK):
-                self.transport.close()  # an error answer: its status line is all check_stream reports
-                return
-        tail = data if len(data) >= len(_LAST_CHUNK) else b"".join(self.parts)[-len(_LAST_CHUNK) :]
-        if self._status_checked and tail.endswith(_LAST_CHUNK):
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.done is not None and not self.done.done():
-            self.done.set_result(None)
-
-
-def _dechunk(body: bytes) -> bytes:
-    """An HTTP/1.1 chunked body -> its bytes."""
-    out, i = [], 0
-    while True:
-        eol = body.index(b"\r\n", i)
-        size = int(body[i:eol].split(b";")[0], 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(body[eol + 2 : eol + 2 + size])
-        i = eol + 2 + size + 2
-
-
 def check_stream(raw: bytes, max_tokens: int) -> tuple[int, int, str | None]:
     """One streamed completion's raw HTTP response -> (tokens, SSE chunks with text, what was wrong or
     None when the stream is exact: max_tokens tokens of the stand-in's text, finish_reason length,
     usage right, no error, [DONE] last)."""
     head, _, body = raw.partition(b"\r\n\r\n")
-    if not head.startswith(_STATUS_OK):
+    if not head.startswith(STATUS_OK):
         return 0, 0, head.split(b"\r\n")[0].decode(errors="replace") or "no response"
     if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
+        body = dechunk(body)
     events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return 0, 0, "the stream did not end with [DONE]"
@@ -129,12 +75,9 @@ def check_stream(raw: bytes, max_tokens: int) -> tuple[int, int, str | None]:
 
 async def run_level(host: str, port: int, concurrency: int, max_tokens: int, seconds: float) -> dict:
     stats = {"tokens": 0, "streams": 0, "exact": 0, "chunks": 0, "errors": []}
-    body = json.dumps({"model": MODEL, "prompt": "a b c", "max_tokens": max_tokens, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()  # fmt: skip
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    request = post_request(host, port, "/v1/completions", body)
     deadline = time.perf_counter() + seconds
     loop = asyncio.get_running_loop()
 
@@ -142,9 +85,9 @@ async def run_level(host: str, port: int, concurrency: int, max_tokens: int, sec
         connection = None
         while time.perf_counter() < deadline:
             if connection is None or connection.closed:
-                _, connection = await loop.create_connection(_Connection, host, port)
+                _, connection = await loop.create_connection(SSEConnection, host, port)
             await connection.send(request)
-            tokens, chunks, error = check_stream(b"".join(connection.parts), max_tokens)
+            tokens, chunks, error = check_stream(connection.response(), max_tokens)
             stats["tokens"] += tokens
             stats["streams"] += 1
             stats["exact"] += error is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.wire_bench import TEXT, _Connection, check_stream
+from benchmarks.sse_client import SSEConnection, timed_events
+from benchmarks.wire_bench import TEXT, check_stream
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -60,7 +61,7 @@ class FakeTransport:
 async def test_the_connection_ends_a_response_at_its_last_chunk_however_it_arrives():
     raw = chunked(completion([TEXT * 2]))
     for size in (1, 3, 7, len(raw)):
-        connection = _Connection()
+        connection = SSEConnection()
         connection.connection_made(FakeTransport())
         done = connection.send(b"request")
         pieces = [raw[i : i + size] for i in range(0, len(raw), size)]
@@ -73,7 +74,7 @@ async def test_the_connection_ends_a_response_at_its_last_chunk_however_it_arriv
 
 
 async def test_an_error_answer_closes_the_connection():
-    connection = _Connection()
+    connection = SSEConnection()
     transport = FakeTransport()
     connection.connection_made(transport)
     done = connection.send(b"request")
@@ -82,3 +83,31 @@ async def test_an_error_answer_closes_the_connection():
     assert transport.closed
     connection.connection_lost(None)
     assert done.done() and connection.closed
+
+
+async def test_each_event_gets_the_arrival_time_of_its_last_byte():
+    """serve_bench times tokens from the same client: an event is seen when its last byte came."""
+    events = completion([TEXT, TEXT * 2])
+    raw = chunked(events)
+    first_event_end = raw.index(b"\r\n", raw.index(TEXT.encode()))  # the chunk's CRLF, past the event
+    cut = first_event_end - 1  # the first event's last byte comes in the second piece
+    connection = SSEConnection()
+    connection.connection_made(FakeTransport())
+    done = connection.send(b"request")
+    for piece in (raw[: cut - 3], raw[cut - 3 : cut + 1], raw[cut + 1 :]):
+        connection.data_received(piece)
+    assert done.done()
+    connection.arrivals = [10.0, 20.0, 30.0]
+    error, timed = timed_events(connection)
+    assert error is None
+    assert [data for _, data in timed] == events
+    assert [t for t, _ in timed] == [20.0, 30.0, 30.0, 30.0]
+
+
+def test_timed_events_says_what_is_wrong():
+    connection = SSEConnection()
+    connection.connection_made(FakeTransport())
+    connection.parts = [b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\n{}"]
+    assert timed_events(connection) == ("HTTP/1.1 503 Service Unavailable", [])
+    connection.parts = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]
+    assert timed_events(connection)[0] == "the response is not chunked"
