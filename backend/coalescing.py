@@ -7,18 +7,19 @@ without losing or reordering anything: the joined message covers steps `step` ..
 with all their tokens, text, logprobs and the last one's counts and flags, so a receiver that joins
 messages gets exactly the stream it would have got step by step.
 
-Order: the groups of requests that end in the batch go first, since their clients wait on them (a
+Order (PendingResponses): requests that have ended go first, since their clients wait on them (a
 non-streaming client waits for nothing else, and a closed-loop one sends its next request only then);
-the others follow. Either way a group is placed where its last message was queued, so a request's
-final message (and a RequestFailure, never joined) still comes after everything else of that request.
+the others follow, the one waiting longest first. Within a request each group is placed where its
+last message was queued, so a request's final message (and a RequestFailure, never joined) still comes
+after everything else of that request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
-from backend.types import EngineOutput, StepOutput, TokenLogprobs
+from backend.types import EngineOutput, RequestFailure, StepOutput, TokenLogprobs
 
 Sink = TypeVar("Sink")
 
@@ -58,19 +59,79 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
     )
 
 
+class _Request(Generic[Sink]):
+    """One request's unsent messages: per sequence its pending steps, and a failure if one came."""
+
+    __slots__ = ("request_id", "sink", "steps", "last", "failure", "ended")
+
+    def __init__(self, request_id: str, sink: Sink) -> None:
+        self.request_id, self.sink = request_id, sink
+        self.steps: dict[int, list[StepOutput]] = {}  # seq_index -> pending steps, in order
+        self.last: dict[int, int] = {}  # seq_index -> arrival number of its last pending step
+        self.failure: tuple[int, RequestFailure] | None = None
+        self.ended = False  # its final message or a failure is among them: nothing more will come
+
+
+class PendingResponses(Generic[Sink]):
+    """What the sender has not sent yet, held per request and sequence so that each response joins all
+    that its sequence has pending when it goes out.
+
+    `take()` gives the next request's responses: first the requests that have ended (their clients
+    wait on them; a closed-loop client sends its next request only then), in the order they ended,
+    then the others, the one waiting longest first. A request's responses go in the order of each
+    group's last message, so its final message or failure is last. Adding and taking cost O(1) per
+    message, however far the sender has fallen behind.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Request[Sink]] = {}  # request id -> its entry, until it has ended
+        self._waiting: dict[_Request[Sink], None] = {}  # every entry, oldest first
+        self._ended: dict[_Request[Sink], None] = {}  # ended entries, in the order they ended
+        self._arrivals = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, sink: Sink, output: EngineOutput) -> None:
+        entry = self._open.get(output.request_id)
+        if entry is None:  # (a request id used again after its request ended starts a new entry)
+            entry = self._open[output.request_id] = _Request(output.request_id, sink)
+            self._waiting[entry] = None
+        self._arrivals += 1
+        if isinstance(output, RequestFailure):
+            entry.failure = (self._arrivals, output)
+        else:
+            entry.steps.setdefault(output.seq_index, []).append(output)
+            entry.last[output.seq_index] = self._arrivals
+        if isinstance(output, RequestFailure) or output.request_finished:
+            entry.ended = True
+            del self._open[output.request_id]
+            self._ended[entry] = None
+
+    def take(self) -> list[tuple[Sink, EngineOutput, int]]:
+        """The next request's responses as (sink, message, how many queued messages it covers)."""
+        entry = next(iter(self._ended or self._waiting))
+        del self._waiting[entry]
+        if entry.ended:
+            del self._ended[entry]
+        else:
+            del self._open[entry.request_id]
+        groups: list[tuple[int, EngineOutput, int]] = [
+            (entry.last[seq], join_steps(steps), len(steps)) for seq, steps in entry.steps.items()
+        ]
+        if entry.failure is not None:
+            groups.append((entry.failure[0], entry.failure[1], 1))
+        groups.sort(key=lambda group: group[0])
+        return [(entry.sink, message, covered) for _, message, covered in groups]
+
+
 def coalesce(pending: Sequence[tuple[Sink, EngineOutput]]) -> list[tuple[Sink, EngineOutput, int]]:
-    """Queued (sink, message) pairs -> (sink, message, how many queued messages it covers), each
-    sequence's consecutive steps joined; ending requests first, then in the order of each group's last
-    message."""
-    groups: dict[object, list[int]] = {}
-    for i, (_, out) in enumerate(pending):
-        key = (out.request_id, out.seq_index) if isinstance(out, StepOutput) else ("failure", i)
-        groups.setdefault(key, []).append(i)
-    ending = {out.request_id for _, out in pending if not isinstance(out, StepOutput) or out.request_finished}
-    result = []
-    for indices in sorted(groups.values(), key=lambda idx: (pending[idx[0]][1].request_id not in ending, idx[-1])):
-        sink, out = pending[indices[0]]
-        if isinstance(out, StepOutput) and len(indices) > 1:
-            out = join_steps([pending[i][1] for i in indices])
-        result.append((sink, out, len(indices)))
-    return result
+    """Queued (sink, message) pairs -> (sink, message, how many queued messages it covers), in the
+    order PendingResponses sends them."""
+    responses: PendingResponses[Sink] = PendingResponses()
+    for sink, output in pending:
+        responses.add(sink, output)
+    sent = []
+    while responses:
+        sent += responses.take()
+    return sent

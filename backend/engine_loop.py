@@ -12,7 +12,9 @@ to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; t
 it stalls the step's OpenMP threads, which wait for each other at every parallel region.
 
 A sender that fell behind (more than one step queued) joins each sequence's pending steps into one
-response (backend/coalescing.py), so it catches up without losing or reordering anything.
+response (backend/coalescing.py), so it catches up without losing or reordering anything. It sends one
+request's responses at a time and takes in what was queued meanwhile before the next: a request that
+has ended goes out before those that go on, however far behind the sender is.
 
 The engine is also *built* on the engine thread, so one thread runs all of its torch work. OpenMP
 (libgomp, which torch and the C++ kernels share) gives every thread that starts parallel regions a
@@ -34,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from backend.coalescing import coalesce
+from backend.coalescing import PendingResponses
 from backend.engine import EngineStats, LLMEngine
 from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, StepOutput
 
@@ -250,31 +252,38 @@ class EngineLoop(Generic[Sink]):
     # -- sender thread ------------------------------------------------------------------------
 
     def _sender_main(self) -> None:
+        pending: PendingResponses[Sink] = PendingResponses()
         stopping = False
-        while not stopping:
-            batches = [self._outgoing.get()]
-            while True:  # everything queued by now goes out together, each sequence's steps joined
+        while not (stopping and not pending):
+            # Everything queued by now joins what is pending; wait only when nothing is.
+            while not stopping:
                 try:
-                    batches.append(self._outgoing.get_nowait())
+                    batch = self._outgoing.get_nowait() if pending else self._outgoing.get()
                 except queue.Empty:
                     break
-            if None in batches:
-                stopping = True
-                batches = batches[: batches.index(None)]
-            pending = [item for batch in batches for item in batch]
-            for sink, output, covered in coalesce(pending):
-                try:
-                    start = time.perf_counter()
-                    self._send(sink, output)
-                    if self._trace is not None:
-                        self._trace.add("send", start, time.perf_counter(), str(covered))
-                except Exception:  # a client that went away must not stop the others
-                    logger.exception("sending a response for %s failed", output.request_id)
-                finally:
-                    with self._sent:
-                        self._unsent -= covered
-                        if self._unsent == 0:
-                            self._sent.notify_all()
+                if batch is None:
+                    stopping = True  # (what came before it is still sent)
+                    break
+                for sink, output in batch:
+                    pending.add(sink, output)
+            if pending:
+                self._send_request(pending.take())
+
+    def _send_request(self, responses: list[tuple[Sink, EngineOutput, int]]) -> None:
+        """One request's responses, each covering `covered` queued outputs."""
+        for sink, output, covered in responses:
+            try:
+                start = time.perf_counter()
+                self._send(sink, output)
+                if self._trace is not None:
+                    self._trace.add("send", start, time.perf_counter(), str(covered))
+            except Exception:  # a client that went away must not stop the others
+                logger.exception("sending a response for %s failed", output.request_id)
+            finally:
+                with self._sent:
+                    self._unsent -= covered
+                    if self._unsent == 0:
+                        self._sent.notify_all()
 
     # -- cancel-watcher thread ----------------------------------------------------------------
 

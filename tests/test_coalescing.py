@@ -10,9 +10,9 @@ import threading
 import time
 
 from backend import engine_loop
-from backend.coalescing import coalesce, join_steps
+from backend.coalescing import PendingResponses, coalesce, join_steps
 from backend.engine_loop import EngineLoop
-from backend.types import RequestFailure, SamplingParams, StepOutput
+from backend.types import FinishReason, RequestFailure, SamplingParams, StepOutput
 from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_engine
 
 
@@ -76,6 +76,37 @@ def test_requests_that_end_go_out_before_those_that_go_on():
     assert [m.request_id for m in messages] == ["r", "r", "failed", "on"]
     assert messages[1].request_finished and messages[3].step == 5 and messages[3].num_steps == 2
     check_stream_invariants(messages[:2], {"r": 2})
+
+
+def _step(request_id: str, step: int, finished: bool = False) -> StepOutput:
+    finish = FinishReason.LENGTH if finished else None
+    return StepOutput(request_id, 0, step, (1,), "a", None, finish, None, 3, step + 1, request_finished=finished)
+
+
+def test_pending_responses_send_ended_requests_first_and_join_what_arrives_meanwhile():
+    pending: PendingResponses[str] = PendingResponses()
+    pending.add("a", _step("a", 0))
+    pending.add("b", _step("b", 0))
+    assert [(s, m.request_id, m.step, c) for s, m, c in pending.take()] == [("a", "a", 0, 1)]  # the oldest
+    pending.add("a", _step("a", 1))
+    pending.add("b", _step("b", 1, finished=True))  # b ends while a waits longer: b goes first
+    pending.add("a", _step("a", 2))
+    ((sink, message, covered),) = pending.take()
+    assert (sink, message.request_id, message.step, message.num_steps, covered) == ("b", "b", 0, 2, 2)
+    assert message.request_finished
+    ((sink, message, covered),) = pending.take()  # a's steps that came meanwhile, joined
+    assert (message.request_id, message.step, message.num_steps, covered) == ("a", 1, 2, 2)
+    assert not pending
+
+
+def test_a_request_id_used_again_after_its_request_ended_is_a_new_request():
+    pending: PendingResponses[str] = PendingResponses()
+    pending.add("old", _step("r", 0, finished=True))
+    pending.add("new", _step("r", 0))
+    first, second = pending.take(), pending.take()
+    assert [(s, m.request_finished) for s, m, _ in first] == [("old", True)]
+    assert [(s, m.request_finished) for s, m, _ in second] == [("new", False)]
+    assert not pending
 
 
 def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
