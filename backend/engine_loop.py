@@ -107,7 +107,12 @@ class EngineLoop(Generic[Sink]):
         # The running requests' sinks as the cancel watcher sees them (the engine thread adds and
         # removes), and the ids it found cancelled (the engine thread aborts them).
         self._watched: dict[str, Sink] = {}
-        self._watched_lock = threading.Lock()
+        self._watched_lock = threading.Condition()
+        # The sink the cancel watcher is asking about now. Triton frees a request's response factory once
+        # its last response is sent, and asking about it after that crashed tritonserver (SIGSEGV in
+        # TRITONBACKEND_ResponseFactoryIsCancelled): a request leaves _watched before its last response is
+        # queued, and that response is sent only once no question about its sink is under way.
+        self._asking: Sink | None = None
         self._cancelled: queue.SimpleQueue[tuple[str, Sink]] = queue.SimpleQueue()
         self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
@@ -185,7 +190,10 @@ class EngineLoop(Generic[Sink]):
             except Exception:  # the loop must outlive any single failure
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)
-        # Whatever is still running when the model is unloaded ends with an error, not silence.
+        # Whatever is still running when the model is unloaded ends with an error, not silence (and is
+        # asked about cancellation no more: that error is its last response).
+        with self._watched_lock:
+            self._watched.clear()
         self._enqueue(
             [
                 (sink, RequestFailure(request_id, "the model is shutting down"))
@@ -272,6 +280,9 @@ class EngineLoop(Generic[Sink]):
     def _send_request(self, responses: list[tuple[Sink, EngineOutput, int]]) -> None:
         """One request's responses, each covering `covered` queued outputs."""
         for sink, output, covered in responses:
+            if isinstance(output, RequestFailure) or output.request_finished:
+                with self._watched_lock:  # (see _asking)
+                    self._watched_lock.wait_for(lambda sink=sink: self._asking is not sink)
             try:
                 start = time.perf_counter()
                 self._send(sink, output)
@@ -304,7 +315,16 @@ class EngineLoop(Generic[Sink]):
         for request_id in asked:
             with self._watched_lock:
                 sink = self._watched.get(request_id)  # (it may have ended since the round began)
-            if sink is not None and self._is_cancelled(sink):
+                if sink is None:
+                    continue
+                self._asking = sink  # its last response waits for the answer (_send_request)
+            try:
+                cancelled = self._is_cancelled(sink)
+            finally:
+                with self._watched_lock:
+                    self._asking = None
+                    self._watched_lock.notify_all()
+            if cancelled:
                 with self._watched_lock:
                     self._watched.pop(request_id, None)  # asked no more
                 self._cancelled.put((request_id, sink))

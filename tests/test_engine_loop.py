@@ -219,3 +219,49 @@ def test_refused_requests_are_counted_as_sent_so_later_steps_do_not_wait(monkeyp
         assert loop._unsent == 0
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("shutdown", [False, True])
+def test_no_sink_is_asked_about_cancellation_once_its_last_response_went_out(monkeypatch, shutdown):
+    # Triton frees a request's response factory once its final response is sent; asking is_cancelled() of
+    # it afterwards crashed tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled). Many short
+    # requests, slow questions asked as often as possible: the watcher and the sender race on every one.
+    from backend.stand_in_engine import StandInEngine
+
+    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.0005)
+    monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 1000)
+    closed: set[int] = set()
+    late: list[int] = []
+    asked = 0
+    closed_lock = threading.Lock()
+
+    def send_and_close(sink: Sink, output) -> None:
+        with closed_lock:
+            if isinstance(output, RequestFailure) or output.request_finished:
+                closed.add(id(sink))
+        send(sink, output)
+
+    def is_cancelled(sink: Sink) -> bool:
+        nonlocal asked
+        asked += 1
+        time.sleep(0.0002)  # a round trip to tritonserver
+        with closed_lock:
+            if id(sink) in closed:
+                late.append(id(sink))
+        return False
+
+    engine = StandInEngine(step_ms=1.0, max_num_seqs=64)
+    loop = EngineLoop(lambda: engine, send=send_and_close, is_cancelled=is_cancelled)
+    loop.start()
+    sinks = [Sink() for _ in range(300)]
+    try:
+        for i, sink in enumerate(sinks):
+            loop.submit(engine.make_request(f"r{i}", "a b", SamplingParams(max_tokens=1 + i % 20)), sink)
+        if shutdown:
+            time.sleep(0.05)  # the model is unloaded while requests run: each ends with a failure
+        else:
+            assert all(sink.done.wait(30) for sink in sinks)
+    finally:
+        loop.stop()
+    assert all(sink.done.is_set() for sink in sinks)
+    assert asked > 0 and late == []
