@@ -123,15 +123,3 @@ class PendingResponses(Generic[Sink]):
             groups.append((entry.failure[0], entry.failure[1], 1))
         groups.sort(key=lambda group: group[0])
         return [(entry.sink, message, covered) for _, message, covered in groups]
-
-
-def coalesce(pending: Sequence[tuple[Sink, EngineOutput]]) -> list[tuple[Sink, EngineOutput, int]]:
-    """Queued (sink, message) pairs -> (sink, message, how many queued messages it covers), in the
-    order PendingResponses sends them."""
-    responses: PendingResponses[Sink] = PendingResponses()
-    for sink, output in pending:
-        responses.add(sink, output)
-    sent = []
-    while responses:
-        sent += responses.take()
-    return sent

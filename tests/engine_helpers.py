@@ -11,6 +11,7 @@ import functools
 import torch
 
 from backend.checkpoint import Checkpoint, load_checkpoint
+from backend.coalescing import PendingResponses
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.models import LlamaConfig
@@ -113,3 +114,15 @@ def check_stream_invariants(
             )
             assert len(finished) <= n
     return per_seq
+
+
+def coalesce(pending: list[tuple[object, EngineOutput]]) -> list[tuple[object, EngineOutput, int]]:
+    """Queued (sink, message) pairs -> (sink, message, queued messages it covers), in the order the
+    engine loop's sender sends them when it finds them all queued at once."""
+    responses: PendingResponses[object] = PendingResponses()
+    for sink, output in pending:
+        responses.add(sink, output)
+    sent = []
+    while responses:
+        sent += responses.take()
+    return sent

@@ -10,10 +10,10 @@ import threading
 import time
 
 from backend import engine_loop
-from backend.coalescing import PendingResponses, coalesce, join_steps
+from backend.coalescing import PendingResponses, join_steps
 from backend.engine_loop import EngineLoop
 from backend.types import FinishReason, RequestFailure, SamplingParams, StepOutput
-from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_engine
+from tests.engine_helpers import check_stream_invariants, coalesce, run_to_completion, tiny_engine
 
 
 def joined_view(outputs) -> dict[int, tuple]:

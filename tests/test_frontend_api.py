@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.coalescing import coalesce, join_steps
+from backend.coalescing import PendingResponses, join_steps
 from backend.types import FinishReason, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure, InvalidRequest
@@ -370,7 +370,10 @@ async def test_coalesced_responses_give_the_same_completion() -> None:
     # A sender that fell behind joins each sequence's pending steps (backend/coalescing.py): the
     # integrity check follows the step ranges, and the client sees the same text, logprobs and usage.
     steps = scripted_steps([["a", "b", "c", "d"], ["w", "x", "y"]], "length", logprobs=2)
-    joined = [out for _, out, _ in coalesce([(None, s) for s in steps[:4]])] + steps[4:]
+    pending: PendingResponses[None] = PendingResponses()
+    for step in steps[:4]:  # as the sender finds them when it has fallen behind
+        pending.add(None, step)
+    joined = [out for _, out, _ in pending.take()] + steps[4:]
     assert any(o.num_steps > 1 for o in joined)
     body = {"prompt": "x", "n": 2, "max_tokens": 4, "logprobs": 2, "stream": False}
     results = []
