@@ -11,12 +11,19 @@ at concurrency 1, 8 and 32 (a finished request's slot is refilled at once).
     parses each stream once it ended, so it takes little of the servers' CPU) against the frontend,
     i.e. HTTP + SSE, the frontend, tritonclient gRPC
     streaming, tritonserver and the decoupled Python backend. Without --url it starts its own
-    tritonserver and frontend on free loopback ports (scripts/servers.py) and stops them before (b).
+    tritonserver and frontend on free loopback ports (scripts/servers.py).
 (b) in-process: backend.engine.LLMEngine(EngineConfig()) driven by `step()` in this process (the
     engine settings of model_repository's config.pbtxt are EngineConfig's defaults).
-(c) the peer: transformers `generate` on the same fp32 weights and the same prompt tokens, in static
-    batches of `concurrency` requests (greedy, exactly max_tokens each), output tok/s only
-    (--skip-peer leaves it out).
+(c) the peer: transformers `generate` on the same fp32 weights and the same prompt tokens (the first
+    round's), in static batches of `concurrency` requests (greedy, exactly max_tokens each), output
+    tok/s only (--skip-peer leaves it out), once the servers have stopped.
+
+(a) and (b) take turns: each of --rounds rounds runs every level served and then in-process, on
+prompts of its own. This machine's speed drifts by more than the path costs (the same in-process
+step measured 23 and 16 ms a minute apart), so the two paths are compared level by level, seconds
+apart, rather than one whole run after the other. The servers stay up, idle, while (b) runs; the CPU
+they take meanwhile is printed (it is what (b) shares the cores with). Each figure is all rounds
+together (their durations added up, latencies pooled), and the ratios are printed per round too.
 
 Per request: TTFT = first token - send; ITL = (last token - first token) / (tokens - 1) (the
 definitions genai-perf uses); output tokens/s = all output tokens / (last token of the run - first
@@ -38,11 +45,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import sys
 import time
 import urllib.parse
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,10 +111,15 @@ class LevelResult:
 
 
 def summarize(concurrency: int, records: list[RequestRecord]) -> LevelResult:
+    return summarize_rounds(concurrency, [records])
+
+
+def summarize_rounds(concurrency: int, rounds: list[list[RequestRecord]]) -> LevelResult:
+    """One level over several rounds of it: the rounds' durations add up (each from its first send to
+    its last token; what ran between rounds is not counted), latencies are pooled."""
+    records = [r for records in rounds for r in records]
     ok = [r for r in records if r.error is None and r.first is not None]
-    start = min(r.sent for r in records)
-    end = max((r.last or r.sent) for r in records)
-    seconds = end - start
+    seconds = sum(max((r.last or r.sent) for r in rs) - min(r.sent for r in rs) for rs in rounds if rs)
     tokens = sum(r.tokens for r in ok)
     ttft = [(r.first - r.sent) * 1e3 for r in ok]
     itl = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in ok if r.tokens > 1]
@@ -306,57 +322,59 @@ def serving_checks(records: list[RequestRecord], tokenizer, max_tokens: int, pro
     }
 
 
-def run_serving(
-    args,
-    tokenizer,
-    workloads: dict[int, list[str]],
-    expected_prompt_tokens: set[int],
-    constrained_workloads: dict[int, list[str]] | None = None,
-) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
-    """The serving levels; with constrained_workloads, each level again with STRUCTURED_BODY (second dict)."""
-    servers = []
-    base_url = args.url
-    if base_url is None:
-        from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
+@contextlib.contextmanager
+def frontend_url(args) -> Iterator[tuple[str, dict[str, int]]]:
+    """The frontend to load and the pids of the servers behind it: --url (no pids), or our own
+    tritonserver and frontend on free ports, stopped on exit."""
+    if args.url is not None:
+        yield args.url.rstrip("/").removesuffix("/v1"), {}
+        return
+    from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
 
-        logs = REPO_ROOT / "artifacts" / "bench-logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        print("starting tritonserver and the frontend on free ports ...", flush=True)
-        triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-        triton.start(log_path=logs / "tritonserver.log")
-        servers.append(triton)
-        try:
-            frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
-        except BaseException:
-            triton.stop()
-            raise
-        servers.insert(0, frontend)
-        base_url = frontend.url
-    base_url = base_url.rstrip("/").removesuffix("/v1")
-    chat = args.endpoint == "chat"
-    results: dict[int, LevelResult] = {}
-    constrained: dict[int, LevelResult] = {}
+    logs = REPO_ROOT / "artifacts" / "bench-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print("starting tritonserver and the frontend on free ports ...", flush=True)
+    triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    triton.start(log_path=logs / "tritonserver.log")
     try:
-        warm = make_prompts(tokenizer, 2, 16, seed=args.seed + 1000)
-        asyncio.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))  # warm-up, not measured
-        if constrained_workloads:  # compiles the schema once, not measured
-            asyncio.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
-        for c, prompts in workloads.items():
-            for kind, extra_body, out in [("serving", None, results), ("constrained", STRUCTURED_BODY, constrained)][
-                : 2 if constrained_workloads else 1
-            ]:
-                level_prompts = prompts if extra_body is None else constrained_workloads[c]
-                records = asyncio.run(
-                    run_serving_level(base_url, args.model, level_prompts, args.max_tokens, c, chat, extra_body)
-                )
-                res = summarize(c, records)
-                res.extra = serving_checks(records, tokenizer, args.max_tokens, expected_prompt_tokens)
-                out[c] = res
-                print_level(kind, res)
+        frontend = Frontend(triton.grpc_url, port=free_port()).start(log_path=logs / "frontend.log")
+    except BaseException:
+        triton.stop()
+        raise
+    pids = {"tritonserver": triton.proc.pid, "frontend": frontend.proc.pid}
+    pids.update({f"stub {pid}": pid for pid in stub_processes(triton.proc.pid)})
+    try:
+        yield frontend.url.rstrip("/").removesuffix("/v1"), pids
     finally:
-        for s in servers:
-            s.stop()
-    return results, constrained
+        frontend.stop()
+        triton.stop()
+
+
+def process_cpu_s(pids: dict[str, int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far; 0 for one that ended."""
+    total = 0
+    for pid in pids.values():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def warm_up_serving(args, tokenizer, base_url: str, structured: bool) -> None:
+    """Not measured: the first requests of a fresh server (and the schema's compilation)."""
+    chat = args.endpoint == "chat"
+    warm = make_prompts(tokenizer, 2, 16, seed=args.seed + 1000)
+    asyncio.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))
+    if structured:  # compiled grammars are cached by schema
+        asyncio.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
+
+
+def serve_level(args, base_url: str, prompts: list[str], c: int, extra_body: dict | None = None) -> list[RequestRecord]:
+    return asyncio.run(
+        run_serving_level(base_url, args.model, prompts, args.max_tokens, c, args.endpoint == "chat", extra_body)
+    )
 
 
 # ------------------------------------------------------------------------------------------ in-process
@@ -400,18 +418,15 @@ def run_inprocess_level(engine, prompt_ids: list[list[int]], max_tokens: int, co
     return list(records.values())
 
 
-def run_inprocess(args, checkpoint, workloads: dict[int, list[list[int]]]) -> dict[int, LevelResult]:
+def inprocess_engine(checkpoint, seed: int):
+    """LLMEngine with the served engine's settings (EngineConfig's defaults are config.pbtxt's), warmed up."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(), checkpoint=checkpoint)
-    warm = [checkpoint.tokenizer.encode(p) for p in make_prompts(checkpoint.tokenizer, 2, 16, seed=args.seed + 1000)]
-    run_inprocess_level(engine, warm, 4, 2)  # warm-up, not measured
-    results = {}
-    for c, prompt_ids in workloads.items():
-        results[c] = summarize(c, run_inprocess_level(engine, prompt_ids, args.max_tokens, c))
-        print_level("in-process", results[c])
-    return results
+    warm = [checkpoint.tokenizer.encode(p) for p in make_prompts(checkpoint.tokenizer, 2, 16, seed=seed + 1000)]
+    run_inprocess_level(engine, warm, 4, 2)  # not measured
+    return engine
 
 
 def run_peer(checkpoint, workloads: dict[int, list[list[int]]], max_tokens: int) -> dict[int, float]:
@@ -485,6 +500,13 @@ def main() -> None:
         help="also run each serving level with a json_schema "
         "constraint and print the constrained / unconstrained ratio",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="each round runs every level served and then in-process, on fresh prompts; the ratios "
+        "compare the two paths minutes apart at most, as the machine's speed drifts (default 3)",
+    )
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-inprocess", action="store_true")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers generate")
@@ -496,49 +518,102 @@ def main() -> None:
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.endpoint}, prompts "
-        f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens} (ignore_eos)",
+        f"{args.prompt_tokens} tokens, max_tokens {args.max_tokens} (ignore_eos), {args.rounds} rounds",
         flush=True,
     )
     checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
     tok = checkpoint.tokenizer
-    # Different prompts for every request of every level, the same ones for both paths.
+    # Different prompts for every request of every level and round, the same ones for both paths.
     salt = args.salt if args.salt is not None else random.SystemRandom().randrange(2**31)
     salt = None if salt < 0 else salt
     print(
         f"prompt seed {args.seed}, salt {salt} (--salt {salt if salt is not None else -1} repeats these prompts)",
         flush=True,
     )
-    texts: dict[int, list[str]] = {}
-    for k, c in enumerate(args.concurrency):
-        texts[c] = make_prompts(
-            tok,
-            args.requests or default_requests(c),
-            args.prompt_tokens,
-            args.seed + k,
-            None if salt is None else salt + k,
-        )
-    if args.endpoint == "chat":
-        engine_texts = {c: [chat_prompt_text(tok, t) for t in ts] for c, ts in texts.items()}
-    else:
-        engine_texts = texts
-    engine_ids = {c: [tok.encode(t) for t in ts] for c, ts in engine_texts.items()}
-    expected_prompt_tokens = {len(ids) for ids in (i for v in engine_ids.values() for i in v)}
 
-    constrained_texts = None
-    if args.structured:  # fresh prompts, so the constrained run finds none of them in the prefix cache
-        constrained_texts = {
-            c: make_prompts(
-                tok, len(ts), args.prompt_tokens, args.seed + 500 + k, None if salt is None else salt + 500 + k
-            )
-            for k, (c, ts) in enumerate(texts.items())
-        }
-    serving, constrained = (
-        ({}, {}) if args.skip_serving else run_serving(args, tok, texts, expected_prompt_tokens, constrained_texts)
+    def prompts(c: int, k: int, r: int, offset: int = 0) -> list[str]:
+        seed = args.seed + offset + k + 1000 * r
+        return make_prompts(
+            tok, args.requests or default_requests(c), args.prompt_tokens, seed, None if salt is None else salt + seed
+        )
+
+    def engine_ids(texts: list[str]) -> list[list[int]]:
+        if args.endpoint == "chat":
+            texts = [chat_prompt_text(tok, t) for t in texts]
+        return [tok.encode(t) for t in texts]
+
+    levels = args.concurrency
+    serving_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
+    constrained_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
+    inproc_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
+    expected_prompt_tokens: set[int] = set()
+    idle_servers_cpu_s = inproc_s = 0.0
+    with contextlib.ExitStack() as stack:
+        base_url, server_pids = (None, {}) if args.skip_serving else stack.enter_context(frontend_url(args))
+        if base_url is not None:
+            warm_up_serving(args, tok, base_url, args.structured)
+        engine = None if args.skip_inprocess else inprocess_engine(checkpoint, args.seed)
+        for r in range(args.rounds):
+            for k, c in enumerate(levels):
+                texts = prompts(c, k, r)
+                ids = engine_ids(texts)
+                expected_prompt_tokens.update(len(i) for i in ids)
+                line = f"round {r + 1} c={c}:"
+                if base_url is not None:
+                    records = serve_level(args, base_url, texts, c)
+                    serving_runs[c].append(records)
+                    line += f" serving {summarize(c, records).output_tok_s:.1f} tok/s"
+                    if args.structured:  # fresh prompts: the constrained run finds none of them cached
+                        records = serve_level(args, base_url, prompts(c, k, r, offset=500), c, STRUCTURED_BODY)
+                        constrained_runs[c].append(records)
+                        line += f", json_schema {summarize(c, records).output_tok_s:.1f} tok/s"
+                if engine is not None:
+                    cpu_before, start = process_cpu_s(server_pids), time.perf_counter()
+                    records = run_inprocess_level(engine, ids, args.max_tokens, c)
+                    idle_servers_cpu_s += process_cpu_s(server_pids) - cpu_before
+                    inproc_s += time.perf_counter() - start
+                    inproc_runs[c].append(records)
+                    line += f", in-process {summarize(c, records).output_tok_s:.1f} tok/s"
+                    if base_url is not None:
+                        ratio = summarize(c, serving_runs[c][-1]).output_tok_s / summarize(c, records).output_tok_s
+                        line += f": ratio {ratio:.2f}"
+                print(line, flush=True)
+    del engine
+
+    def pooled(runs: dict[int, list[list[RequestRecord]]], kind: str) -> dict[int, LevelResult]:
+        out = {c: summarize_rounds(c, rounds) for c, rounds in runs.items()}
+        for res in out.values():
+            print_level(kind, res)
+        return out
+
+    print(f"\nall {args.rounds} rounds together:")
+    serving = pooled(serving_runs, "serving")
+    constrained = pooled(constrained_runs, "json_schema")
+    inproc = pooled(inproc_runs, "in-process")
+    for c, runs in serving_runs.items():
+        serving[c].extra = serving_checks([r for rs in runs for r in rs], tok, args.max_tokens, expected_prompt_tokens)
+    for c, runs in constrained_runs.items():
+        constrained[c].extra = serving_checks(
+            [r for rs in runs for r in rs], tok, args.max_tokens, expected_prompt_tokens
+        )
+    idle_ms_per_s = 1e3 * idle_servers_cpu_s / inproc_s if inproc_s and server_pids else None
+    if idle_ms_per_s is not None:
+        print(f"the idle servers took {idle_ms_per_s:.1f} ms of CPU per second while the in-process levels ran")
+    peer = (
+        {}
+        if args.skip_peer
+        else run_peer(checkpoint, {c: engine_ids(prompts(c, k, 0)) for k, c in enumerate(levels)}, args.max_tokens)
     )
-    inproc = {} if args.skip_inprocess else run_inprocess(args, checkpoint, engine_ids)
-    peer = {} if args.skip_peer else run_peer(checkpoint, engine_ids, args.max_tokens)
 
     ratios = print_ratios(("serving", "in-process"), serving, inproc)
+    by_round = {
+        c: [
+            summarize(c, s).output_tok_s / summarize(c, i).output_tok_s for s, i in zip(serving_runs[c], inproc_runs[c])
+        ]
+        for c in ratios
+    }
+    for c, values in by_round.items():
+        print(f"c={c}: serving / in-process by round: " + ", ".join(f"{v:.2f}" for v in values))
     peer_ratios = {c: serving[c].output_tok_s / peer[c] for c in serving if c in peer}
     for c, ratio in peer_ratios.items():
         print(f"c={c}: serving {serving[c].output_tok_s:.1f} tok/s / transformers {peer[c]:.1f} = {ratio:.2f}x")
@@ -560,12 +635,17 @@ def main() -> None:
                 "endpoint": args.endpoint,
                 "seed": args.seed,
                 "salt": salt,
+                "rounds": args.rounds,
                 "prompt_tokens": args.prompt_tokens,
                 "max_tokens": args.max_tokens,
                 "serving": {str(c): level_dict(r) for c, r in serving.items()},
                 "inprocess": {str(c): level_dict(r) for c, r in inproc.items()},
                 "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
+                "ratio_by_round": {str(c): [round(v, 3) for v in vs] for c, vs in by_round.items()},
                 "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
+                "idle_servers_cpu_ms_per_s_during_inprocess": None
+                if idle_ms_per_s is None
+                else round(idle_ms_per_s, 2),
                 "transformers_tok_s": {str(c): round(v, 2) for c, v in peer.items()},
                 "serving_over_transformers": {str(c): round(v, 3) for c, v in peer_ratios.items()},
                 "constrained": {str(c): level_dict(r) for c, r in constrained.items()},
