@@ -13,8 +13,16 @@ from openai_frontend.shutdown import GracefulServer
 def main() -> None:
     settings = parse_settings()
     app = create_app(ServerPool(settings.triton_urls), settings)
+    # uvloop and httptools (both pinned): every streamed chunk crosses the event loop and the HTTP writer,
+    # and in C they take less of the cores the engine shares (docs/benchmarking.md).
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        loop="uvloop",
+        http="httptools",
     )
     GracefulServer(config, app.state.drain).run()
 
