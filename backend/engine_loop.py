@@ -64,7 +64,9 @@ class StepTrace:
     """Timestamps of each step and each send (time.perf_counter: CLOCK_MONOTONIC, comparable across
     processes), for finding where served time goes (benchmarks/serve_profile.py). Rows are kept in
     memory and appended to `path` as TSV when the engine goes idle, between steps:
-    `step <start> <end> <outputs>` and `send <start> <end> <outputs it covered>` (in step order)."""
+    `step <start> <end> <outputs>` and `send <start> <end> <outputs it covered>` (in step order);
+    `submit <time> <time> <request id>` (execute() handed the request over) and `admit <time> <time>
+    <request id>` (the engine thread took it in)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -140,6 +142,9 @@ class EngineLoop(Generic[Sink]):
 
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         """Thread-safe: called from Triton's execute()."""
+        if self._trace is not None:
+            now = time.perf_counter()
+            self._trace.add("submit", now, now, request.request_id)
         self._incoming.put((request, sink))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -209,6 +214,9 @@ class EngineLoop(Generic[Sink]):
             return
         while True:
             request, sink = item
+            if self._trace is not None:
+                now = time.perf_counter()
+                self._trace.add("admit", now, now, request.request_id)
             try:
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink

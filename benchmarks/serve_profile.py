@@ -67,7 +67,7 @@ def read_trace(path: Path, since: float) -> tuple[list[tuple[float, float, int]]
             continue
         if kind == "step":
             steps.append((float(start), float(end), int(extra or 0)))
-        else:
+        elif kind == "send":
             sends.append((float(start), float(end), int(extra or 1)))
     return steps, sends
 

@@ -265,3 +265,25 @@ def test_no_sink_is_asked_about_cancellation_once_its_last_response_went_out(mon
         loop.stop()
     assert all(sink.done.is_set() for sink in sinks)
     assert asked > 0 and late == []
+
+
+def test_the_step_trace_records_when_each_request_was_submitted_and_admitted(tmp_path):
+    # benchmarks read these rows to see how a burst of requests reaches the engine (docs/benchmarking.md)
+    engine = tiny_engine()
+    trace = engine_loop.StepTrace(str(tmp_path / "trace.tsv"))
+    loop = EngineLoop(lambda: engine, send=send, trace=trace)
+    loop.start()
+    try:
+        sinks = [Sink() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            loop.submit(engine.make_request(f"t{i}", "hello", SamplingParams(max_tokens=2, ignore_eos=True)), sink)
+        assert all(sink.done.wait(30) for sink in sinks)
+    finally:
+        loop.stop()
+    trace.flush()
+    rows = [line.split("\t") for line in (tmp_path / "trace.tsv").read_text().splitlines()]
+    for i in range(3):
+        (submitted,) = [float(r[1]) for r in rows if r[0] == "submit" and r[3] == f"t{i}"]
+        (admitted,) = [float(r[1]) for r in rows if r[0] == "admit" and r[3] == f"t{i}"]
+        assert submitted <= admitted
+    assert any(r[0] == "step" for r in rows) and any(r[0] == "send" for r in rows)
