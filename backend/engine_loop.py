@@ -77,6 +77,11 @@ class StepTrace:
         with self._lock:
             self._rows.append(f"{kind}\t{start:.6f}\t{end:.6f}\t{extra}\n")
 
+    def mark(self, kind: str, extra: str) -> None:
+        """A row for one instant (start and end the same): now."""
+        now = time.perf_counter()
+        self.add(kind, now, now, extra)
+
     def flush(self) -> None:
         with self._lock:
             rows, self._rows = self._rows, []
@@ -143,8 +148,7 @@ class EngineLoop(Generic[Sink]):
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         """Thread-safe: called from Triton's execute()."""
         if self._trace is not None:
-            now = time.perf_counter()
-            self._trace.add("submit", now, now, request.request_id)
+            self._trace.mark("submit", request.request_id)
         self._incoming.put((request, sink))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -215,8 +219,7 @@ class EngineLoop(Generic[Sink]):
         while True:
             request, sink = item
             if self._trace is not None:
-                now = time.perf_counter()
-                self._trace.add("admit", now, now, request.request_id)
+                self._trace.mark("admit", request.request_id)
             try:
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
