@@ -3,9 +3,11 @@
 The engine thread never blocks on the network: it steps the engine and puts the (already frozen)
 outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
 shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
-A third thread asks the running requests' sinks whether their client went away (each question is a
-round trip to tritonserver, which on the engine thread would hold up the next step) and hands the
-engine thread the ids to abort.
+A client that goes away can say so (`cancel`, by the key it submitted the request under: the frontend
+sends such a message when its HTTP client disconnects); the request is aborted before the next step.
+For clients that only close their stream, a third thread asks the running requests' sinks whether their
+client went away (each question is a round trip to tritonserver, which on the engine thread would hold
+up the next step) and hands the engine thread the ids to abort.
 
 Responses go out between steps: the next step starts once the sender has sent the last one's (up
 to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
@@ -55,7 +57,7 @@ SEND_WAIT_FRACTION = 0.25
 # How often running requests are asked whether their client went away, and how many at most each time
 # (each question is a round trip to tritonserver, on the cancel-watcher thread). Beyond
 # CANCEL_CHECKS_PER_POLL running requests they are asked in turn, so a cancelled one is noticed within
-# CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL).
+# CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL), unless its client sent a cancel message.
 CANCEL_POLL_S = 0.05
 CANCEL_CHECKS_PER_POLL = 32
 
@@ -107,10 +109,12 @@ class EngineLoop(Generic[Sink]):
         self._send = send
         self._is_cancelled = is_cancelled
         self._on_stats = on_stats
-        self._incoming: queue.Queue[tuple[GenerateRequest, Sink]] = queue.Queue()
+        self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None]] = queue.Queue()
         # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
         self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._keys: dict[str, str] = {}  # request id -> the key it was submitted under (engine thread only)
+        self._cancel_keys: queue.SimpleQueue[str] = queue.SimpleQueue()  # keys whose requests to abort
         # The running requests' sinks as the cancel watcher sees them (the engine thread adds and
         # removes), and the ids it found cancelled (the engine thread aborts them).
         self._watched: dict[str, Sink] = {}
@@ -145,11 +149,17 @@ class EngineLoop(Generic[Sink]):
         threads = (self._engine_thread, self._sender_thread, self._watcher_thread)
         return not self._stopping.is_set() and all(t.is_alive() for t in threads)
 
-    def submit(self, request: GenerateRequest, sink: Sink) -> None:
-        """Thread-safe: called from Triton's execute()."""
+    def submit(self, request: GenerateRequest, sink: Sink, key: str | None = None) -> None:
+        """Thread-safe: called from Triton's execute(). `key` (the client's id for the request) is what
+        `cancel` names it by."""
         if self._trace is not None:
             self._trace.mark("submit", request.request_id)
-        self._incoming.put((request, sink))
+        self._incoming.put((request, sink, key))
+
+    def cancel(self, key: str) -> None:
+        """Thread-safe: aborts the unfinished requests submitted under `key` (before the next step; each
+        ends with its sequences' last, aborted, outputs). A key that names none is ignored."""
+        self._cancel_keys.put(key)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -210,6 +220,7 @@ class EngineLoop(Generic[Sink]):
             ]
         )
         self._sinks.clear()
+        self._keys.clear()
 
     def _admit(self, block: bool) -> None:
         try:
@@ -217,12 +228,14 @@ class EngineLoop(Generic[Sink]):
         except queue.Empty:
             return
         while True:
-            request, sink = item
+            request, sink, key = item
             if self._trace is not None:
                 self._trace.mark("admit", request.request_id)
             try:
                 self.engine.add_request(request)
                 self._sinks[request.request_id] = sink
+                if key is not None:
+                    self._keys[request.request_id] = key
                 with self._watched_lock:
                     self._watched[request.request_id] = sink
             except InvalidRequestError as e:
@@ -233,7 +246,15 @@ class EngineLoop(Generic[Sink]):
                 return
 
     def _abort_cancelled(self) -> None:
-        """Aborts the requests the cancel watcher found cancelled (those still running)."""
+        """Aborts the requests cancelled by key and those the cancel watcher found cancelled (the ones
+        still running)."""
+        while True:
+            try:
+                key = self._cancel_keys.get_nowait()
+            except queue.Empty:
+                break
+            for request_id in [rid for rid, k in self._keys.items() if k == key]:
+                self.engine.abort_request(request_id)
         while True:
             try:
                 request_id, sink = self._cancelled.get_nowait()
@@ -249,6 +270,7 @@ class EngineLoop(Generic[Sink]):
             return None
         if isinstance(output, RequestFailure) or (isinstance(output, StepOutput) and output.request_finished):
             del self._sinks[output.request_id]
+            self._keys.pop(output.request_id, None)
             with self._watched_lock:
                 self._watched.pop(output.request_id, None)
         return sink, output

@@ -12,8 +12,10 @@ flags-only response would leave us waiting forever. So the request is built here
 protobuf types and sent through the client's own stub (`_client_stub`, the one attribute of
 tritonclient used that is not public). Step responses are decoded from the raw bytes of their outputs
 (backend/wire.py), the health probe's with tritonclient's InferResult.
-Cancelling the gRPC call (on client disconnect) makes Triton cancel the request, and the model's
-`is_cancelled()` lets the engine free its blocks.
+A request whose client went away is ended twice over (docs/wire-contract.md, "Cancelling"): a cancel
+message naming its request id, which the engine acts on before its next step, and the cancelled gRPC
+call, which the engine notices when it next asks `is_cancelled()` (rarely: each question is a round
+trip), for models that know no cancel message.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def build_request(
         request.inputs.add(name="input_ids", datatype="INT32", shape=[len(prompt)])
         request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
     _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
+    request.parameters[EMPTY_FINAL].bool_param = True
+    return request
+
+
+def build_cancel(model: str, request_id: str) -> service_pb2.ModelInferRequest:
+    """The cancel message of the wire contract: ends the requests whose id is `request_id`."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=f"cancel-{request_id}")
+    _add_bytes_input(request, "cancel_request_id", [request_id])
     request.parameters[EMPTY_FINAL].bool_param = True
     return request
 
@@ -174,6 +184,7 @@ class TritonEngineClient:
         self._timeout = control_timeout_s
         self._client: grpcclient.InferenceServerClient | None = None
         self._configs: dict[str, tuple[float, ModelInfo | None]] = {}
+        self._cancels: set[asyncio.Task] = set()  # cancel messages under way
         self.watchdog = EngineWatchdog(self.probe, interval_s=probe_interval_s, timeout_s=probe_timeout_s)
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
@@ -187,6 +198,8 @@ class TritonEngineClient:
 
     async def close(self) -> None:
         await self.watchdog.close()
+        for task in list(self._cancels):
+            task.cancel()
         if self._client is not None:
             client, self._client = self._client, None
             with contextlib.suppress(TimeoutError):  # bounded: closing never holds a shutdown
@@ -312,5 +325,29 @@ class TritonEngineClient:
         finally:
             self.watchdog.unwatch(watch)
             # Not complete: the HTTP client went away (CancelledError / aclose) or the stream broke;
-            # cancelling the call cancels the Triton request so the engine frees its blocks.
+            # the engine is told (a cancel message) and the call cancelled, so the engine frees its blocks.
+            if not complete and not killed:
+                self._send_cancel(model, request_id)
             stream.end(cancel=not complete)
+
+    def _send_cancel(self, model: str, request_id: str) -> None:
+        """Sends the cancel message for `request_id` on a call of its own, in the background."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._cancel(model, request_id))
+        except RuntimeError:  # no running loop (the generator was closed at interpreter exit)
+            return
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _cancel(self, model: str, request_id: str) -> None:
+        stream = self._open_stream(build_cancel(model, request_id))
+        try:
+            # One empty final response; or an error from a model without the cancel input, for which the
+            # cancelled call is what ends the request.
+            async for response in stream:
+                if response.error_message or is_final(response.infer_response):
+                    break
+        except grpc.aio.AioRpcError:
+            pass  # Triton is gone or going: nothing left to cancel there
+        finally:
+            stream.end(cancel=False)

@@ -53,6 +53,38 @@ def test_requests_stream_to_their_own_sinks_and_cancellation_aborts():
         loop.stop()
 
 
+def test_a_cancel_by_key_aborts_that_keys_requests_without_asking_the_sinks():
+    # The frontend tells the engine its client went away; nothing waits for the watcher's next question.
+    engine = tiny_engine(num_kv_blocks=256)
+    loop = EngineLoop(lambda: engine, send=send, is_cancelled=lambda sink: False)
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        gone, other, unkeyed = Sink(), Sink(), Sink()
+        two = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+        loop.submit(engine.make_request("gone-0", "x", two), gone, "k1")
+        loop.submit(engine.make_request("other-1", "y", params), other, "k2")
+        loop.submit(engine.make_request("unkeyed-2", "z", params), unkeyed)
+        while len(gone.outputs) < 4:
+            time.sleep(0.005)
+        loop.cancel("no-such-key")  # ignored
+        loop.cancel("k1")
+        assert gone.done.wait(10)
+        last = {o.seq_index: o for o in gone.outputs}
+        assert {i: o.finish_reason.value for i, o in last.items()} == {0: "abort", 1: "abort"}
+        assert gone.outputs[-1].request_finished
+        check_stream_invariants(gone.outputs, {"gone-0": 2})
+        time.sleep(0.05)
+        assert not other.done.is_set() and not unkeyed.done.is_set()  # other keys, and no key, go on
+        loop.cancel("k1")  # its requests are gone: nothing else is touched
+        loop.cancel("k2")
+        assert other.done.wait(10) and other.outputs[-1].finish_reason.value == "abort"
+        assert not unkeyed.done.is_set()
+        assert unkeyed.done.wait(30) and unkeyed.outputs[-1].finish_reason.value == "length"
+    finally:
+        loop.stop()
+
+
 def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
     # Each question is a round trip to tritonserver: beyond the budget, requests are asked in turn.
     monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -235,6 +236,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.responder: Responder = lambda request: []
         self.requests: list[service_pb2.ModelInferRequest] = []
         self.cancelled = asyncio.Event()
+        self.cancel_messages: list[str] = []  # the request ids cancel messages named
         self.models = {"llm": ("READY", "llm"), "resnet": ("READY", "image"), "llm-loading": ("LOADING", "llm")}
         # What health probes answer ("<instance name>-<life id>"; a list: instances in turn); None: an error,
         # as a dead stub's.
@@ -264,6 +266,12 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             if any(i.name == "health_probe" for i in request.inputs):
                 self.probes += 1
                 yield self._probe_answer(request.model_name)
+                return
+            if any(i.name == "cancel_request_id" for i in request.inputs):
+                self.cancel_messages.append(deserialize_bytes_tensor(request.raw_input_contents[0])[0].decode())
+                final = service_pb2.ModelInferResponse(model_name=request.model_name)
+                final.parameters["triton_final_response"].bool_param = True
+                yield service_pb2.ModelStreamInferResponse(infer_response=final)
                 return
             self.requests.append(request)
             for item in self.responder(request):
@@ -369,14 +377,33 @@ async def test_generate_error_responses(triton) -> None:
 
 
 async def test_closing_the_stream_cancels_the_triton_request(triton) -> None:
+    # Both ways of docs/wire-contract.md: a cancel message naming the request id, and the cancelled call.
     server, url = triton
     server.responder = _slow_steps(100)
     client = TritonEngineClient(url)
     try:
-        stream = client.generate("llm", "x", SamplingParams(max_tokens=100), "r")
+        stream = client.generate("llm", "x", SamplingParams(max_tokens=100), "r-7")
         assert (await anext(stream)).step == 0
         await stream.aclose()
         await asyncio.wait_for(server.cancelled.wait(), 5)
+        deadline = time.monotonic() + 5
+        while not server.cancel_messages and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert server.cancel_messages == ["r-7"]
+        assert [r.id for r in server.requests] == ["r-7"]  # the cancel message is not a generate request
+    finally:
+        await client.close()
+
+
+async def test_a_request_that_ended_sends_no_cancel_message(triton) -> None:
+    server, url = triton
+    server.responder = _slow_steps(2)
+    client = TritonEngineClient(url)
+    try:
+        outputs = [out async for out in client.generate("llm", "x", SamplingParams(max_tokens=2), "r-8")]
+        assert len(outputs) == 2 and outputs[-1].request_finished
+        await asyncio.sleep(0.1)
+        assert server.cancel_messages == [] and not server.cancelled.is_set()
     finally:
         await client.close()
 

@@ -6,7 +6,13 @@ import asyncio
 
 import pytest
 
-from tests.e2e.triton_stream import check_invariants, metric_value, stream_generate, wait_until_aborted_and_freed
+from tests.e2e.triton_stream import (
+    check_invariants,
+    metric_value,
+    send_cancel,
+    stream_generate,
+    wait_until_aborted_and_freed,
+)
 from tests.engine_helpers import smollm2_tokenizer
 
 PROMPT = "The capital of France is"
@@ -87,6 +93,35 @@ def test_cancel_mid_stream_frees_kv_blocks(servers):
         stream_generate(servers.triton.grpc_url, servers.model, "Count to a thousand:", params, cancel_after=3)
     )
     assert len(result.responses) == 3 and not result.responses[-1].finish_reason
+    wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
+
+
+def test_a_cancel_message_ends_the_request_it_names_and_frees_its_blocks(servers):
+    # The gRPC call stays open: only the cancel message can end the request (every sequence with "abort").
+    aborted_before = metric_value(servers.triton.metrics_url, "llm_aborted_requests_total")
+    params = {"n": 2, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    answers = []
+
+    async def cancel_at_three(responses):
+        if len(responses) == 3:
+            answers.extend(await send_cancel(servers.triton.grpc_url, servers.model, "victim-1"))
+
+    async def scenario():
+        other = asyncio.create_task(
+            stream_generate(servers.triton.grpc_url, servers.model, PROMPT, {"max_tokens": 40, "ignore_eos": True})
+        )
+        url, model = servers.triton.grpc_url, servers.model
+        victim = await stream_generate(url, model, PROMPT, params, request_id="victim-1", on_response=cancel_at_three)
+        return victim, await other
+
+    victim, other = run(scenario())
+    assert len(answers) == 1 and not answers[0].error_message  # one empty final response
+    assert len(answers[0].infer_response.outputs) == 0
+    check_invariants(victim, n=2)
+    assert {seq: rs[-1].finish_reason for seq, rs in victim.by_seq().items()} == {0: "abort", 1: "abort"}
+    assert sum(len(r.token_ids) for r in victim.responses) < 2 * 2000
+    check_invariants(other, n=1, max_tokens=40)  # a request with another id goes on to its end
+    assert other.responses[-1].finish_reason == "length"
     wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
 
 

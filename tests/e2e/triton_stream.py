@@ -96,13 +96,22 @@ def _decode(result) -> Response:
     return r
 
 
-async def stream_generate(url: str, model: str, prompt, params, cancel_after: int | None = None) -> StreamResult:
-    """Sends one request and reads every response until the final flag (or cancels after N)."""
+async def stream_generate(
+    url: str,
+    model: str,
+    prompt,
+    params,
+    cancel_after: int | None = None,
+    request_id: str = "",
+    on_response=None,
+) -> StreamResult:
+    """Sends one request and reads every response until the final flag (or cancels the call after N).
+    `on_response(responses so far)` is awaited after each response."""
     client = grpcclient.InferenceServerClient(url)
     try:
 
         async def requests():
-            yield {"model_name": model, "inputs": make_inputs(prompt, params)}
+            yield {"model_name": model, "inputs": make_inputs(prompt, params), "request_id": request_id}
 
         stream = client.stream_infer(requests())
         out = StreamResult()
@@ -112,12 +121,36 @@ async def stream_generate(url: str, model: str, prompt, params, cancel_after: in
                 break
             response = _decode(result)
             out.responses.append(response)
+            if on_response is not None:
+                await on_response(out.responses)
             if cancel_after is not None and len(out.responses) >= cancel_after:
                 stream.cancel()
                 break
             if response.final:
                 break
         return out
+    finally:
+        await client.close()
+
+
+async def send_cancel(url: str, model: str, request_id: str) -> list:
+    """The cancel message of docs/wire-contract.md, built as the frontend builds it; returns the
+    ModelStreamInferResponses it was answered with (tritonclient's aio stream cannot ask for the empty
+    final response, so this goes through its gRPC stub)."""
+    from openai_frontend.triton_client import build_cancel
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+
+        async def requests():
+            yield build_cancel(model, request_id)
+
+        answers = []
+        async for response in client._client_stub.ModelStreamInfer(requests()):
+            answers.append(response)
+            if response.error_message or response.infer_response.parameters["triton_final_response"].bool_param:
+                break
+        return answers
     finally:
         await client.close()
 

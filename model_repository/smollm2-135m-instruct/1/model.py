@@ -99,8 +99,14 @@ class TritonPythonModel:
                 self._answer_probe(sender, request_id)
                 continue
             try:
+                cancel = pb_utils.get_input_tensor_by_name(request, "cancel_request_id")
+                if cancel is not None:  # (docs/wire-contract.md) answered at once, with a flags-only final response
+                    self.loop.cancel(_one_string(cancel, "cancel_request_id"))
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 prompt, params = self._parse(request)
-                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender)
+                key = request.request_id() or None  # what a cancel message names it by
+                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender, key)
             except InvalidRequestError as e:
                 self._send(sender, RequestFailure.refused(request_id, e))
             except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
@@ -129,19 +135,11 @@ class TritonPythonModel:
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if (text is None) == (ids is None):
             raise InvalidRequestError("give exactly one of text_input and input_ids", "text_input")
-        if text is not None:
-            values = text.as_numpy().reshape(-1)
-            if values.size != 1:
-                raise InvalidRequestError("text_input must hold exactly one string", "text_input")
-            raw = values[0]
-            prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        else:
-            prompt = [int(t) for t in ids.as_numpy().reshape(-1)]
+        prompt = _one_string(text, "text_input") if text is not None else [int(t) for t in ids.as_numpy().reshape(-1)]
         sp = pb_utils.get_input_tensor_by_name(request, "sampling_params")
         if sp is None:
             return prompt, SamplingParams()
-        raw = sp.as_numpy().reshape(-1)[0]
-        return prompt, SamplingParams.from_json(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+        return prompt, SamplingParams.from_json(_one_string(sp, "sampling_params"))
 
     @staticmethod
     def _send(sender, output: EngineOutput) -> None:
@@ -202,6 +200,14 @@ def _placement(args, model_config, params):
         if g.get("kind", "KIND_CPU") == "KIND_CPU"
     )
     return instance_settings(params, kind, cpu_instances, torch.get_num_threads())  # torch's default: one per core
+
+
+def _one_string(tensor, name):
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one string", name)
+    raw = values[0]
+    return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
 
 
 def _step_tensors(out: StepOutput):
