@@ -20,6 +20,7 @@ Which path is faster where, and by how much: docs/kernels.md.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ class Linear(nn.Module):
       (torch.ops.mkldnn, what torch.compile's CPU freezing uses).
 
     So on CPU the weight is held three times (plain, panels, oneDNN's). `.to(...)` drops and rebuilds
-    the packed copies.
+    the packed copies. A weight that is exactly d * q + m in every run of 32 k (what a Q4_1 GGUF
+    dequantizes to) is also held as Q4 panels, which the kernel reads up to cpu_kernels.Q4_MAX_ROWS rows
+    with the same results, bit for bit, from a fifth of the bytes (LLM_Q4_PANELS=0: not made).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
@@ -63,6 +66,7 @@ class Linear(nn.Module):
         self._split: tuple[int, torch.Tensor] | None = None  # (threads, weight viewed as (S, N/S, K))
         self._kernel: CpuLinear | None = None  # kernels/cpu_linear.cpp, where it was built (CPU fp32 only)
         self.panels: torch.Tensor | None = None  # weight packed for it: (ceil(N / 32), K, 32)
+        self.q4_panels: torch.Tensor | None = None  # or as Q4 panels (uint8), where the weight is exactly Q4
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         assert weight.shape == self.weight.shape, f"weight {tuple(weight.shape)} != {tuple(self.weight.shape)}"
@@ -80,6 +84,8 @@ class Linear(nn.Module):
         self._split = None
         self._kernel = cpu_kernels.linear() if packable else None
         self.panels = cpu_kernels.pack_linear_weight(w.detach()) if self._kernel is not None else None
+        q4 = self._kernel is not None and os.environ.get("LLM_Q4_PANELS", "1") != "0"
+        self.q4_panels = cpu_kernels.pack_q4_weight(w.detach()) if q4 else None
         if packable:
             self._split_weight()
             _PACKED_WEIGHTS[w.data_ptr()] = self._packed
@@ -100,7 +106,7 @@ class Linear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if self._kernel is not None and (T == 1 or (not compiling and T <= cpu_kernels.MAX_LINEAR_ROWS)):
             residual = None if residual is None else residual.contiguous()
-            return self._kernel(x.contiguous(), self.panels, self.out_features, self.bias, residual)  # (T, N)
+            return self._kernel(x.contiguous(), self.panels_for(T), self.out_features, self.bias, residual)  # (T, N)
         if T == 1:
             return self._one_row(x, residual)  # (1, N)
         if compiling:  # inductor cannot lower the oneDNN op itself: an opaque call
@@ -109,6 +115,13 @@ class Linear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
         return y if residual is None else residual + y
+
+    def panels_for(self, rows: int) -> torch.Tensor | None:
+        """What the kernel reads for `rows` x rows: the Q4 panels where there are any and they are faster
+        (few rows: reading the weight is the cost), else the fp32 panels. The same results either way."""
+        if self.q4_panels is not None and rows <= cpu_kernels.Q4_MAX_ROWS:
+            return self.q4_panels
+        return self.panels
 
     def _one_row(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The split bmm, where the kernel is not built."""
@@ -134,7 +147,7 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
-        self._packed, self._split, self._kernel, self.panels = None, None, None, None
+        self._packed, self._split, self._kernel, self.panels, self.q4_panels = None, None, None, None, None
         super()._apply(fn, recurse)
         self.repack()
         return self
@@ -288,10 +301,11 @@ def run_decoder_layer(
 ) -> torch.Tensor:
     """x (T, C) -> the layer's output (T, C), in cpu_decoder_layer.cpp's argument order."""
     n1, qkv, o, n2, gate_up, down = w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down
+    T = x.shape[0]
     return op(
         x,
-        n1.weight, n1.eps, qkv.panels, qkv.out_features, qkv.bias, o.panels, o.out_features,
-        n2.weight, n2.eps, gate_up.panels, gate_up.out_features, down.panels, down.out_features,
+        n1.weight, n1.eps, qkv.panels_for(T), qkv.out_features, qkv.bias, o.panels_for(T), o.out_features,
+        n2.weight, n2.eps, gate_up.panels_for(T), gate_up.out_features, down.panels_for(T), down.out_features,
         cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.seq_lens,
         w.num_heads, w.num_kv_heads, w.scale,
     )  # fmt: skip

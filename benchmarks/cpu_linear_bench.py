@@ -2,11 +2,13 @@
 
 The workload is a decode step's weight reading: SmolLM2-135M's per-layer matrices (qkv 960x576,
 o 576x576, gate_up 3072x576, down 576x1536), 30 layers of distinct random weights (425 MB, far beyond
-the caches), each multiplied by M rows in layer order, for M in --rows. Per way and M: the median time
+the caches), each multiplied by M rows in layer order, for M in --rows. The weights are random Q4 values
+(d * q + m in every 32 k, as SmolLM2's GGUF holds them), so the kernel also runs on Q4 panels
+(`kernel_q4`, 80 MB: its GB/s count the fp32 bytes it stands for). Per way and M: the median time
 of a pass, the weight bytes read per second and GFLOP/s. After each round, the machine's read bandwidth
 at that moment (benchmarks/bandwidth.py: torch.mv, a plain sum and the kernel over 256 MB). Ways
 alternate within each round, so drift hits all alike. The crossover where oneDNN overtakes the kernel
-sets kernels.cpu_kernels.MAX_LINEAR_ROWS.
+sets kernels.cpu_kernels.MAX_LINEAR_ROWS; where the fp32 panels overtake the Q4 ones, Q4_MAX_ROWS.
 
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 2 4 8 16 32 64 160 256] [--rounds 2]
 
@@ -49,6 +51,7 @@ def ways(rows: int) -> dict[str, Way]:
     kernel = cpu_kernels.linear() if cpu_kernels.load() else None
     if kernel is not None:
         result["kernel"] = (lambda w: (cpu_kernels.pack_linear_weight(w), w.shape[0]), lambda p, x: kernel(x, *p))
+        result["kernel_q4"] = (lambda w: (cpu_kernels.pack_q4_weight(w), w.shape[0]), lambda p, x: kernel(x, *p))
     result["onednn_packed"] = (
         lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
         lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
@@ -58,6 +61,16 @@ def ways(rows: int) -> dict[str, Way]:
         result["split_bmm"] = (lambda w: w.view(S, w.shape[0] // S, w.shape[1]), split_bmm)
         result["torch_mv"] = (lambda w: w, lambda w, x: torch.mv(w, x[0]))
     return result
+
+
+def random_q4(N: int, K: int) -> torch.Tensor:
+    """(N, K) weights that are d * q + m in every run of 32 k (fp16 d and m, q in 0..15; each block holds
+    a 0 and a 15, as a quantizer's minimum and maximum give)."""
+    d = (torch.rand(N, K // 32, 1) * 0.02).half().float()
+    m = (-torch.rand(N, K // 32, 1) * 0.1).half().float()
+    q = torch.randint(0, 16, (N, K // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(N, K)
 
 
 def time_pass(weights: list[list[torch.Tensor]], multiply, xs: dict[int, torch.Tensor], repeats: int) -> float:
@@ -83,7 +96,7 @@ def main() -> None:
         f"{torch.backends.cpu.get_cpu_capability()}",
         flush=True,
     )
-    plain = [[torch.randn(N, K) for N, K in SHAPES] for _ in range(LAYERS)]
+    plain = [[random_q4(N, K) for N, K in SHAPES] for _ in range(LAYERS)]
     weight_bytes = sum(N * K * 4 for N, K in SHAPES) * LAYERS
     gb_s: dict[str, dict[int, list[float]]] = {}
     with torch.inference_mode():

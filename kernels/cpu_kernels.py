@@ -5,8 +5,9 @@ threaded with torch's intra-op threads:
 - `llm_cpu::linear(x (M, K), packed_weight, n, bias (n,)?, residual (M, n)?) -> (M, n)` (cpu_linear.cpp):
   the matmuls of decode steps and short prefill chunks, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is
   faster: long prefills), with the (n, K) weight packed once by
-  `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`.
-  Reference: `linear_ref`.
+  `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`, or, where the weight is exactly Q4
+  (what a Q4_1 GGUF dequantizes to), as Q4 panels by `pack_q4_weight` (a fifth of the bytes; the same
+  results, bit for bit). Reference: `linear_ref`.
 - `llm_cpu::paged_decode(q (B, H, D), k_cache, v_cache (NB, BS, KVH, D), block_tables (B, max_blocks) int32,
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
   the paged cache. Reference: kernels.reference.paged_attention_decode_ref. `paged_attention_decode_cpu`
@@ -170,6 +171,38 @@ def linear() -> CpuLinear | None:
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight (N, K) -> the (ceil(N / 32), K, 32) panels `linear()` takes (needs the library loaded)."""
     return torch.ops.llm_cpu.pack_linear_weight(weight.contiguous())
+
+
+Q4_BLOCK = 32  # k per Q4 block (cpu_linear_tiles.h: kQ4Block)
+# Up to this many rows the Q4 panels beat the fp32 ones (they read a fifth of the bytes, but turn every
+# q into a weight: arithmetic that more rows make the bound); benchmarks/cpu_linear_bench.py --q4.
+Q4_MAX_ROWS = 10
+
+
+def pack_q4_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) -> the Q4 panels `linear()` also takes, uint8 (ceil(N / 32), K / 32, 768), when every
+    run of 32 k of each row is exactly d * q + m (fp32 d and m, q in 0..15: what a Q4_1 GGUF dequantizes
+    to, d and m being fp16 values); None for any other weight. `linear()` returns the same bits from
+    either packing; this one reads 0.75 bytes per weight instead of 4. Checked bit for bit here: a weight
+    is packed only if d * q + m rebuilds every one of its values (K a multiple of 32)."""
+    N, K = weight.shape
+    if K % Q4_BLOCK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    nb = K // Q4_BLOCK
+    w = weight.detach().reshape(N, nb, Q4_BLOCK)  # (N, blocks, 32)
+    m = w.amin(-1, keepdim=True)  # q = 0 is the block's least value
+    d = ((w.amax(-1, keepdim=True) - m) / 15).half().float()  # q = 15 its greatest; d is an fp16 value
+    q = torch.where(d > 0, torch.round((w - m) / torch.where(d > 0, d, 1.0)), 0.0).clamp_(0, 15)
+    rebuilt = d * q + m  # d * q is exact in fp32: one rounding, as fma(d, q, m) in the kernel
+    if not torch.equal(rebuilt.view(torch.int32), w.view(torch.int32)):
+        return None
+    P = -(-N // 32)
+    pad = P * 32 - N  # zero columns past N: d = m = q = 0
+    d, m, q = (F.pad(t.reshape(N, -1), (0, 0, 0, pad)) for t in (d, m, q))
+    scales = torch.cat([t.view(P, 32, nb).transpose(1, 2) for t in (d, m)], dim=-1).contiguous()  # (P, nb, 64) fp32
+    q = q.to(torch.uint8).view(P, 32, nb, Q4_BLOCK).permute(0, 2, 3, 1)  # (P, nb, k, column)
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(P, nb, Q4_BLOCK * 16)  # byte i: column i, i + 16
+    return torch.cat([scales.view(torch.uint8), nibbles], dim=-1).contiguous()  # (P, nb, 768)
 
 
 def paged_decode() -> Callable[..., torch.Tensor] | None:

@@ -29,6 +29,7 @@
 
 namespace llm_cpu {
 void linear_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);  // cpu_linear_avx512.cpp
+void linear_q4_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);
 }
 
 namespace {
@@ -46,6 +47,7 @@ bool cpu_has_avx512() {
 std::atomic<bool> use_avx512{cpu_has_avx512()};
 
 void linear_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) { llm_cpu::panels<Avx2>(a, p0, p1); }
+void linear_q4_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) { llm_cpu::q4_panels<Avx2>(a, p0, p1); }
 
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
@@ -65,14 +67,23 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({P, kPanel, K}).transpose(1, 2).index_select(1, k_order).contiguous();  // (P, K, 32)
 }
 
-// x (M, K), packed weight (P, K, 32) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N)
+// x (M, K), packed weight of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N). The packed
+// weight is fp32 panels (P, K, 32) (pack_linear_weight) or Q4 panels, uint8 (P, K / 32, kQ4BlockBytes)
+// (cpu_linear_tiles.h; kernels.cpu_kernels.pack_q4_weight): the same results, bit for bit.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual) {
   check_tensor(x, "x");
-  check_tensor(packed, "packed weight");
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "the weight must be packed by pack_linear_weight: (P, K, 32)");
-  const int64_t M = x.size(0), K = packed.size(1), P = packed.size(0);
+  const bool q4 = packed.scalar_type() == at::kByte;
+  if (q4) {
+    TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "Q4 panels must be a contiguous CPU tensor");
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == llm_cpu::kQ4BlockBytes, "Q4 panels must be (P, K / 32, ",
+                llm_cpu::kQ4BlockBytes, ") bytes");
+  } else {
+    check_tensor(packed, "packed weight");
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "the weight must be packed by pack_linear_weight: (P, K, 32)");
+  }
+  const int64_t M = x.size(0), K = q4 ? packed.size(1) * llm_cpu::kQ4Block : packed.size(1), P = packed.size(0);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "n = ", N, " does not fit a packed weight of ", P, " panels");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, weight has ", K);
   if (bias) {
@@ -84,10 +95,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
     TORCH_CHECK(residual->numel() == M * N, "residual must have ", M, " x ", N, " elements");
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  const LinearArgs a{packed.const_data_ptr<float>(), x.const_data_ptr<float>(),
+  const LinearArgs a{static_cast<const float*>(packed.const_data_ptr()), x.const_data_ptr<float>(),
                      bias ? bias->const_data_ptr<float>() : nullptr,
                      residual ? residual->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), M, N, K};
-  const auto run = use_avx512.load(std::memory_order_relaxed) ? llm_cpu::linear_panels_avx512 : linear_panels_avx2;
+  const bool wide = use_avx512.load(std::memory_order_relaxed);
+  const auto run = q4 ? (wide ? llm_cpu::linear_q4_panels_avx512 : linear_q4_panels_avx2)
+                      : (wide ? llm_cpu::linear_panels_avx512 : linear_panels_avx2);
   // A grain of 2 panels (64 columns): a 576-column matrix still splits over 2 threads, and no thread gets a sliver.
   at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return y;

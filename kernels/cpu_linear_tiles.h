@@ -33,9 +33,16 @@ constexpr int64_t kPanel = 32;  // output columns per weight panel
 // no row count less (figures in docs/kernels.md). Four quarters were no better than two.
 constexpr int64_t kHalves = 2;
 
+// Q4 panels (pack_q4_weight in kernels/cpu_kernels.py): a weight whose every run of 32 k of one output
+// column is d * q + m exactly (fp32 d and m, q in 0..15: what a Q4_1 GGUF dequantizes to), stored as
+// (ceil(N / 32), K / 32, kQ4BlockBytes) bytes: per panel and block of 32 k, the 32 columns' d, their m,
+// then for each of the 32 k 16 bytes whose byte i holds column i's q (low nibble) and column i + 16's (high).
+constexpr int64_t kQ4Block = 32;  // k per block
+constexpr int64_t kQ4BlockBytes = 2 * kPanel * 4 + kQ4Block * kPanel / 2;  // 768
+
 // One call's operands, plain data so that both translation units can take it.
 struct LinearArgs {
-  const float* P;         // (ceil(N / 32), K, 32) packed weight
+  const float* P;         // (ceil(N / 32), K, 32) packed weight (or Q4 panels, as bytes)
   const float* X;         // (M, K) row-major
   const float* bias;      // (N,) or null
   const float* residual;  // (M, N) or null
@@ -55,6 +62,16 @@ struct Avx2 {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // The 32 q of one k of a Q4 block (16 bytes) as floats, columns 0-7, 8-15, 16-23, 24-31.
+  static void nibbles(const uint8_t* p, V* q) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i mask = _mm256_set1_epi32(15);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  }
 };
 
 #ifdef LLM_CPU_AVX512
@@ -68,6 +85,11 @@ struct Avx512 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void nibbles(const uint8_t* p, V* q) {  // as Avx2::nibbles: columns 0-15, 16-31
+    const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(all, _mm512_set1_epi32(15)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(all, 4));
+  }
 };
 #endif
 
@@ -216,6 +238,81 @@ void panels(const LinearArgs& a, int64_t p0, int64_t p1) {
       for (int64_t m = m0; m < m1; m += rows) rows_times_panel<Vec>(a, m, m1 - m < rows ? m1 - m : rows, p);
     }
   }
+}
+
+// x rows [m0, m0 + MB) times the NP Q4 panels p, p + S, ...: each block's q become weights in registers,
+// fma(d, q, m) (d * q is exact in fp32, so this is the one rounding of d * q + m: the packed weight's own
+// bits), and then the same FMA chain over k = 0, 1, ... as `tile`, so the results are the fp32 panels' bits.
+template <class Vec, int MB, int NP>
+void tile_q4(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
+  using V = typename Vec::V;
+  constexpr int VP = kPanel / Vec::width;
+  const int64_t K = a.K, blocks = K / kQ4Block;
+  const uint8_t* base[NP];
+  for (int j = 0; j < NP; ++j) base[j] = reinterpret_cast<const uint8_t*>(a.P) + (p + j * S) * blocks * kQ4BlockBytes;
+  const float* x = a.X + m0 * K;
+  V acc[MB][NP][VP];
+  for (auto& row : acc)
+    for (auto& panel : row)
+      for (auto& v : panel) v = Vec::zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    V d[NP][VP], m[NP][VP];
+    const uint8_t* q[NP];
+    for (int j = 0; j < NP; ++j) {
+      const uint8_t* block = base[j] + b * kQ4BlockBytes;
+      for (int64_t ahead = 2 * kQ4BlockBytes; ahead < 3 * kQ4BlockBytes; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
+      const float* scales = reinterpret_cast<const float*>(block);
+      for (int v = 0; v < VP; ++v) {
+        d[j][v] = Vec::load(scales + v * Vec::width);
+        m[j][v] = Vec::load(scales + kPanel + v * Vec::width);
+      }
+      q[j] = block + 2 * kPanel * 4;
+    }
+    const float* xk = x + b * kQ4Block;
+    for (int64_t kk = 0; kk < kQ4Block; ++kk) {
+      V w[NP][VP];
+      for (int j = 0; j < NP; ++j) {
+        Vec::nibbles(q[j] + kk * (kPanel / 2), w[j]);
+        for (int v = 0; v < VP; ++v) w[j][v] = Vec::fma(d[j][v], w[j][v], m[j][v]);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const V xb = Vec::broadcast(xk + i * K + kk);
+        for (int j = 0; j < NP; ++j)
+          for (int v = 0; v < VP; ++v) acc[i][j][v] = Vec::fma(w[j][v], xb, acc[i][j][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NP; ++j) store_panel<Vec>(a, acc[i][j], m0 + i, p + j * S);
+}
+
+// Q4 panels [p0, p1), R rows from m0; NP panels at once S apart, the rest NP / 2 at once (panels_by_streams).
+template <class Vec, int R, int NP>
+void q4_panels_by_streams(const LinearArgs& a, int64_t m0, int64_t p0, int64_t p1) {
+  const int64_t S = (p1 - p0) / NP;
+  for (int64_t i = 0; i < S; ++i) tile_q4<Vec, R, NP>(a, m0, p0 + i, S);
+  if constexpr (NP > 1) q4_panels_by_streams<Vec, R, NP / 2>(a, m0, p0 + NP * S, p1);
+}
+
+// R_rows (<= max_rows) x rows from m0 times Q4 panels [p0, p1).
+template <class Vec, int R = max_rows<Vec>>
+void q4_rows(const LinearArgs& a, int64_t m0, int64_t R_rows, int64_t p0, int64_t p1) {
+  if constexpr (R >= 1) {
+    if (R_rows != R) {
+      q4_rows<Vec, R - 1>(a, m0, R_rows, p0, p1);
+      return;
+    }
+    q4_panels_by_streams<Vec, R, (R <= 2 ? 2 : 1)>(a, m0, p0, p1);
+  }
+}
+
+// One thread's Q4 panels [p0, p1): the x rows in passes of equal size, at most max_rows each.
+template <class Vec>
+void q4_panels(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const int64_t passes = (a.M + max_rows<Vec> - 1) / max_rows<Vec>;
+  const int64_t rows = (a.M + passes - 1) / passes;
+  for (int64_t m0 = 0; m0 < a.M; m0 += rows) q4_rows<Vec>(a, m0, a.M - m0 < rows ? a.M - m0 : rows, p0, p1);
 }
 
 }  // namespace

@@ -125,6 +125,72 @@ def test_packed_weight_layout():
     assert not p[1, :, 8:].any()
 
 
+def q4_weight(N, K, seed=0):
+    """An (N, K) weight exactly d * q + m in every run of 32 k (fp16 d and m, q in 0..15), as a Q4_1 GGUF
+    dequantizes (gguf.quants: (d * q) + m in float32), each block holding its q = 0 and q = 15."""
+    g = torch.Generator().manual_seed(seed)
+    nb = K // 32
+    d = (torch.rand(N, nb, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(N, nb, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (N, nb, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d[0, 0] = 0  # a block of one value
+    return (d * q + m).reshape(N, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(64, 576), (130, 1536), (40, 32), (3, 96)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 13, 25])
+def test_q4_panels_give_the_fp32_panels_bits(M, N, K, isa):
+    # Dequantized in registers by one fma(d, q, m), then the same FMA chain over k: not close, identical.
+    g = torch.Generator().manual_seed(M + N + K)
+    w = q4_weight(N, K, seed=N + K)
+    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    q4 = cpu_kernels.pack_q4_weight(w)
+    assert q4 is not None and q4.dtype == torch.uint8 and q4.shape == (-(-N // 32), K // 32, 768)
+    for bias, residual in [(None, None), (b, r)]:
+        assert torch.equal(kernel(x, q4, N, bias, residual), linear(x, w, bias, residual))
+
+
+@needs_kernel
+def test_q4_packing_refuses_what_it_cannot_rebuild_exactly():
+    w = q4_weight(64, 576)
+    assert cpu_kernels.pack_q4_weight(torch.randn(64, 576)) is None  # any fp32 weight
+    assert cpu_kernels.pack_q4_weight(w[:, :570].contiguous()) is None  # K not a multiple of 32
+    almost = w.clone()
+    almost[5, 100] = torch.nextafter(almost[5, 100], torch.tensor(1.0))  # one value one ulp off
+    assert cpu_kernels.pack_q4_weight(almost) is None
+    assert cpu_kernels.pack_q4_weight(w.double()) is None
+
+
+@needs_kernel
+def test_linear_reads_q4_panels_for_few_rows_with_the_same_results(monkeypatch):
+    w, b = q4_weight(96, 64), torch.randn(96)
+    lin = Linear(64, 96, bias=True)
+    lin.load(w, b)
+    assert lin.q4_panels is not None
+    assert lin.panels_for(cpu_kernels.Q4_MAX_ROWS) is lin.q4_panels
+    assert lin.panels_for(cpu_kernels.Q4_MAX_ROWS + 1) is lin.panels
+    for M in (1, cpu_kernels.Q4_MAX_ROWS, cpu_kernels.Q4_MAX_ROWS + 1):
+        x = torch.randn(M, 64)
+        assert torch.equal(lin(x), linear(x, w, b))
+    monkeypatch.setenv("LLM_Q4_PANELS", "0")  # the switch: fp32 panels only
+    lin.repack()
+    assert lin.q4_panels is None and lin.panels_for(1) is lin.panels
+
+
+@needs_kernel
+@pytest.mark.model
+def test_smollm2s_layer_matrices_are_all_read_as_q4():
+    # The served GGUF holds them as Q4_1: every one must be found exact, or decode steps read 5x the bytes.
+    from backend.checkpoint import load_checkpoint
+
+    state_dict = load_checkpoint("smollm2").state_dict
+    projections = [name for name in state_dict if name.endswith("_proj.weight")]
+    assert len(projections) == 7 * 30
+    assert all(cpu_kernels.pack_q4_weight(state_dict[name]) is not None for name in projections)
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     "case, message",
@@ -137,6 +203,8 @@ def test_packed_weight_layout():
         (lambda: linear(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
         (lambda: linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
         (lambda: linear(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
+        (lambda: kernel(torch.randn(1, 64), torch.zeros(1, 2, 700, dtype=torch.uint8), 32), "Q4 panels"),
+        (lambda: kernel(torch.randn(1, 60), cpu_kernels.pack_q4_weight(q4_weight(32, 64)), 32), "60 columns"),
     ],
 )
 def test_kernel_rejects_bad_input_with_a_clear_error(case, message):
