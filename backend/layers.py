@@ -20,7 +20,6 @@ Which path is faster where, and by how much: docs/kernels.md.
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +83,7 @@ class Linear(nn.Module):
         self._split = None
         self._kernel = cpu_kernels.linear() if packable else None
         self.panels = cpu_kernels.pack_linear_weight(w.detach()) if self._kernel is not None else None
-        q4 = self._kernel is not None and os.environ.get("LLM_Q4_PANELS", "1") != "0"
+        q4 = self._kernel is not None and cpu_kernels.q4_panels_on()
         self.q4_panels = cpu_kernels.pack_q4_weight(w.detach()) if q4 else None
         if packable:
             self._split_weight()

@@ -1,8 +1,9 @@
 """`make bench-engine`: our engine and transformers `generate` on the same weights, in one run.
 
-(a) batch-1 decode tokens/s, beside the memory-bandwidth bound (fp32 weight bytes read per
-    decode step over the read bandwidth this script measures on this machine: the best of torch.mv,
-    a plain sum and the engine's linear kernel, before and after the run);
+(a) batch-1 decode tokens/s, beside the memory-bandwidth bound (the weight bytes a decode step reads,
+    Q4 panels where a matrix is exactly Q4 and fp32 elsewhere, over the read bandwidth this script
+    measures on this machine: the best of torch.mv, a plain sum and the engine's linear kernel, before
+    and after the run);
 (b) 32 requests, 128-token prompts, output lengths mixed 16..128 (ignore_eos), concurrency 16:
     aggregate output tokens/s. The engine batches continuously (a finished request's seat is
     refilled at once); transformers runs static batches of 16 padded to the longest output, and
@@ -35,6 +36,7 @@ from backend.engine import LLMEngine
 from backend.types import SamplingParams, StepOutput
 from benchmarks.bandwidth import measure_read_bandwidth_gb_s
 from benchmarks.hf_peer import build_hf_model
+from kernels import cpu_kernels
 
 WORDS = (
     "alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "
@@ -51,10 +53,16 @@ def make_prompt_ids(tokenizer, rng: random.Random, num_tokens: int) -> list[int]
 
 
 def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
-    """fp32 bytes one decode step reads: every matrix once; the embedding table only as the (tied) LM head."""
+    """The bytes one batch-1 decode step reads: every matrix once (as Q4 panels where it packs as Q4,
+    backend.layers.Linear; fp32 otherwise); the embedding table only as the (tied) LM head."""
     embed = "model.embed_tokens.weight"
-    total = sum(t.numel() * 4 for name, t in state_dict.items() if name != embed)
-    return total if "lm_head.weight" in state_dict else total + state_dict[embed].numel() * 4
+
+    def read(t: torch.Tensor) -> int:
+        q4 = t.dim() == 2 and cpu_kernels.q4_panels_on() and cpu_kernels.pack_q4_weight(t) is not None
+        return t.numel() * 3 // 4 if q4 else t.numel() * 4
+
+    total = sum(read(t) for name, t in state_dict.items() if name != embed)
+    return total if "lm_head.weight" in state_dict else total + read(state_dict[embed])
 
 
 def run_engine(
@@ -147,7 +155,7 @@ def main() -> None:
     bandwidth = max(reads.values())
     bound = bandwidth * 1e9 / weight_bytes
     print(
-        f"weights {weight_bytes / 1e6:.0f} MB fp32; read bandwidth GB/s (before, after (a)): "
+        f"weights {weight_bytes / 1e6:.0f} MB read per step; read bandwidth GB/s (before, after (a)): "
         + ", ".join(f"{name} {before[name]:.1f}/{after[name]:.1f}" for name in before)
         + f"; bound {bound:.1f} tok/s at {bandwidth:.1f} GB/s",
         flush=True,

@@ -175,8 +175,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 Q4_BLOCK = 32  # k per Q4 block (cpu_linear_tiles.h: kQ4Block)
 # Up to this many rows the Q4 panels beat the fp32 ones (they read a fifth of the bytes, but turn every
-# q into a weight: arithmetic that more rows make the bound); benchmarks/cpu_linear_bench.py --q4.
+# q into a weight: arithmetic that more rows make the bound); benchmarks/cpu_linear_bench.py's kernel_q4.
 Q4_MAX_ROWS = 10
+
+
+def q4_panels_on() -> bool:
+    """Whether Linear makes Q4 panels: the library is loaded and LLM_Q4_PANELS is not 0 (read at each call)."""
+    return _kernels is not None and os.environ.get("LLM_Q4_PANELS", "1") != "0"
 
 
 def pack_q4_weight(weight: torch.Tensor) -> torch.Tensor | None:
