@@ -52,8 +52,9 @@ class Linear(nn.Module):
 
     So on CPU the weight is held three times (plain, panels, oneDNN's). `.to(...)` drops and rebuilds
     the packed copies. A weight that is exactly d * q + m in every run of 32 k (what a Q4_1 GGUF
-    dequantizes to) is also held as Q4 panels, which the kernel reads up to cpu_kernels.Q4_MAX_ROWS rows
-    with the same results, bit for bit, from a fifth of the bytes (LLM_Q4_PANELS=0: not made).
+    dequantizes to), or d * q (Q8_0), is also held as Q4 or Q8 panels, which the kernel reads for few
+    rows (cpu_kernels.Q4_MAX_ROWS, Q8_MAX_ROWS) with the same results, bit for bit, from a fifth or a
+    quarter of the bytes (LLM_Q4_PANELS=0: not made).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
@@ -65,7 +66,8 @@ class Linear(nn.Module):
         self._split: tuple[int, torch.Tensor] | None = None  # (threads, weight viewed as (S, N/S, K))
         self._kernel: CpuLinear | None = None  # kernels/cpu_linear.cpp, where it was built (CPU fp32 only)
         self.panels: torch.Tensor | None = None  # weight packed for it: (ceil(N / 32), K, 32)
-        self.q4_panels: torch.Tensor | None = None  # or as Q4 panels (uint8), where the weight is exactly Q4
+        self.quant_panels: torch.Tensor | None = None  # or as Q4 / Q8 panels (uint8), where it is exactly that
+        self.quant_max_rows = 0  # up to how many rows they are read
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         assert weight.shape == self.weight.shape, f"weight {tuple(weight.shape)} != {tuple(self.weight.shape)}"
@@ -83,8 +85,9 @@ class Linear(nn.Module):
         self._split = None
         self._kernel = cpu_kernels.linear() if packable else None
         self.panels = cpu_kernels.pack_linear_weight(w.detach()) if self._kernel is not None else None
-        q4 = self._kernel is not None and cpu_kernels.q4_panels_on()
-        self.q4_panels = cpu_kernels.pack_q4_weight(w.detach()) if q4 else None
+        quantize = self._kernel is not None and cpu_kernels.q4_panels_on()
+        quantized = cpu_kernels.pack_quantized_weight(w.detach()) if quantize else None
+        self.quant_panels, self.quant_max_rows = quantized or (None, 0)
         if packable:
             self._split_weight()
             _PACKED_WEIGHTS[w.data_ptr()] = self._packed
@@ -116,11 +119,9 @@ class Linear(nn.Module):
         return y if residual is None else residual + y
 
     def panels_for(self, rows: int) -> torch.Tensor | None:
-        """What the kernel reads for `rows` x rows: the Q4 panels where there are any and they are faster
-        (few rows: reading the weight is the cost), else the fp32 panels. The same results either way."""
-        if self.q4_panels is not None and rows <= cpu_kernels.Q4_MAX_ROWS:
-            return self.q4_panels
-        return self.panels
+        """What the kernel reads for `rows` x rows: the Q4 / Q8 panels where there are any and they are
+        faster (few rows: reading the weight is the cost), else the fp32 panels. The same results either way."""
+        return self.quant_panels if rows <= self.quant_max_rows else self.panels
 
     def _one_row(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The split bmm, where the kernel is not built."""
@@ -146,7 +147,7 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def _apply(self, fn, recurse: bool = True):  # behind .to(), .cuda(), .half(), ...
-        self._packed, self._split, self._kernel, self.panels, self.q4_panels = None, None, None, None, None
+        self._packed, self._split, self._kernel, self.panels, self.quant_panels = None, None, None, None, None
         super()._apply(fn, recurse)
         self.repack()
         return self

@@ -1,7 +1,7 @@
 """`make bench-engine`: our engine and transformers `generate` on the same weights, in one run.
 
 (a) batch-1 decode tokens/s, beside the memory-bandwidth bound (the weight bytes a decode step reads,
-    Q4 panels where a matrix is exactly Q4 and fp32 elsewhere, over the read bandwidth this script
+    Q4 / Q8 panels where a matrix is exactly that and fp32 elsewhere, over the read bandwidth this script
     measures on this machine: the best of torch.mv, a plain sum and the engine's linear kernel, before
     and after the run);
 (b) 32 requests, 128-token prompts, output lengths mixed 16..128 (ignore_eos), concurrency 16:
@@ -53,13 +53,13 @@ def make_prompt_ids(tokenizer, rng: random.Random, num_tokens: int) -> list[int]
 
 
 def decode_weight_bytes(state_dict: dict[str, torch.Tensor]) -> int:
-    """The bytes one batch-1 decode step reads: every matrix once (as Q4 panels where it packs as Q4,
-    backend.layers.Linear; fp32 otherwise); the embedding table only as the (tied) LM head."""
+    """The bytes one batch-1 decode step reads: every matrix once (as Q4 / Q8 panels where it packs as
+    such, backend.layers.Linear; fp32 otherwise); the embedding table only as the (tied) LM head."""
     embed = "model.embed_tokens.weight"
 
     def read(t: torch.Tensor) -> int:
-        q4 = t.dim() == 2 and cpu_kernels.q4_panels_on() and cpu_kernels.pack_q4_weight(t) is not None
-        return t.numel() * 3 // 4 if q4 else t.numel() * 4
+        packed = cpu_kernels.pack_quantized_weight(t) if t.dim() == 2 and cpu_kernels.q4_panels_on() else None
+        return packed[0].numel() if packed is not None else t.numel() * 4  # (uint8 panels: one byte each)
 
     total = sum(read(t) for name, t in state_dict.items() if name != embed)
     return total if "lm_head.weight" in state_dict else total + read(state_dict[embed])

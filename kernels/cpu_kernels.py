@@ -177,11 +177,45 @@ Q4_BLOCK = 32  # k per Q4 block (cpu_linear_tiles.h: kQ4Block)
 # Up to this many rows the Q4 panels beat the fp32 ones (they read a fifth of the bytes, but turn every
 # q into a weight: arithmetic that more rows make the bound); benchmarks/cpu_linear_bench.py's kernel_q4.
 Q4_MAX_ROWS = 10
+# The same for Q8 panels (1.125 bytes a weight; SmolLM2's lm_head, 49152 x 576, at 1 / 4 / 8 rows read
+# 0.87 / 1.66 / 3.0 ms against the fp32 panels' 2.48 / 2.43 / 2.96).
+Q8_MAX_ROWS = 6
 
 
 def q4_panels_on() -> bool:
-    """Whether Linear makes Q4 panels: the library is loaded and LLM_Q4_PANELS is not 0 (read at each call)."""
+    """Whether Linear makes Q4 / Q8 panels: the library is loaded and LLM_Q4_PANELS is not 0 (read at each
+    call)."""
     return _kernels is not None and os.environ.get("LLM_Q4_PANELS", "1") != "0"
+
+
+def pack_quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(Q4 or Q8 panels, the most rows they are read for) where the weight is exactly one of them; else None."""
+    for pack, max_rows in ((pack_q4_weight, Q4_MAX_ROWS), (pack_q8_weight, Q8_MAX_ROWS)):
+        panels = pack(weight)
+        if panels is not None:
+            return panels, max_rows
+    return None
+
+
+def pack_q8_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) -> Q8 panels, uint8 (ceil(N / 32), K / 32, 1152), when every run of 32 k of each row is
+    exactly d * q (fp32 d, q in -127..127: what a Q8_0 GGUF dequantizes to, d an fp16 value; d * q is exact
+    in fp32); None for any other weight. Checked bit for bit, as pack_q4_weight."""
+    N, K = weight.shape
+    if K % Q4_BLOCK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    nb = K // Q4_BLOCK
+    w = weight.detach().reshape(N, nb, Q4_BLOCK)  # (N, blocks, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().float()  # the block's largest |q| is 127
+    q = torch.where(d > 0, torch.round(w / torch.where(d > 0, d, 1.0)), 0.0).clamp_(-127, 127)
+    if not torch.equal((d * q).view(torch.int32), w.view(torch.int32)):
+        return None
+    P = -(-N // 32)
+    pad = P * 32 - N
+    d = F.pad(d.reshape(N, nb), (0, 0, 0, pad)).view(P, 32, nb).transpose(1, 2).contiguous()  # (P, nb, 32) fp32
+    q = F.pad(q.reshape(N, nb, Q4_BLOCK), (0, 0, 0, 0, 0, pad)).to(torch.int8).view(P, 32, nb, Q4_BLOCK)
+    q = q.permute(0, 2, 3, 1).reshape(P, nb, Q4_BLOCK * 32)  # (P, nb, k * column)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).contiguous()  # (P, nb, 1152)
 
 
 def pack_q4_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -30,6 +30,7 @@
 namespace llm_cpu {
 void linear_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);  // cpu_linear_avx512.cpp
 void linear_q4_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);
+void linear_q8_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1);
 }
 
 namespace {
@@ -47,7 +48,12 @@ bool cpu_has_avx512() {
 std::atomic<bool> use_avx512{cpu_has_avx512()};
 
 void linear_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) { llm_cpu::panels<Avx2>(a, p0, p1); }
-void linear_q4_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) { llm_cpu::q4_panels<Avx2>(a, p0, p1); }
+void linear_q4_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
+  llm_cpu::quant_panels<Avx2, llm_cpu::Q4Format>(a, p0, p1);
+}
+void linear_q8_panels_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
+  llm_cpu::quant_panels<Avx2, llm_cpu::Q8Format>(a, p0, p1);
+}
 
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
@@ -68,22 +74,24 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 // x (M, K), packed weight of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N). The packed
-// weight is fp32 panels (P, K, 32) (pack_linear_weight) or Q4 panels, uint8 (P, K / 32, kQ4BlockBytes)
-// (cpu_linear_tiles.h; kernels.cpu_kernels.pack_q4_weight): the same results, bit for bit.
+// weight is fp32 panels (P, K, 32) (pack_linear_weight), or uint8 Q4 panels (P, K / 32, kQ4BlockBytes) or
+// Q8 panels (P, K / 32, kQ8BlockBytes) (cpu_linear_tiles.h; kernels.cpu_kernels.pack_q4_weight and
+// pack_q8_weight): the same results, bit for bit.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual) {
   check_tensor(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
-  const bool q4 = packed.scalar_type() == at::kByte;
-  if (q4) {
-    TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "Q4 panels must be a contiguous CPU tensor");
-    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == llm_cpu::kQ4BlockBytes, "Q4 panels must be (P, K / 32, ",
-                llm_cpu::kQ4BlockBytes, ") bytes");
+  const bool quantized = packed.scalar_type() == at::kByte;
+  const bool q8 = quantized && packed.dim() == 3 && packed.size(2) == llm_cpu::kQ8BlockBytes;
+  if (quantized) {
+    TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "Q4/Q8 panels must be a contiguous CPU tensor");
+    TORCH_CHECK(packed.dim() == 3 && (q8 || packed.size(2) == llm_cpu::kQ4BlockBytes), "Q4/Q8 panels must be (P, K / 32, ",
+                llm_cpu::kQ4BlockBytes, " or ", llm_cpu::kQ8BlockBytes, ") bytes");
   } else {
     check_tensor(packed, "packed weight");
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "the weight must be packed by pack_linear_weight: (P, K, 32)");
   }
-  const int64_t M = x.size(0), K = q4 ? packed.size(1) * llm_cpu::kQ4Block : packed.size(1), P = packed.size(0);
+  const int64_t M = x.size(0), K = quantized ? packed.size(1) * llm_cpu::kQ4Block : packed.size(1), P = packed.size(0);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "n = ", N, " does not fit a packed weight of ", P, " panels");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, weight has ", K);
   if (bias) {
@@ -99,8 +107,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
                      bias ? bias->const_data_ptr<float>() : nullptr,
                      residual ? residual->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), M, N, K};
   const bool wide = use_avx512.load(std::memory_order_relaxed);
-  const auto run = q4 ? (wide ? llm_cpu::linear_q4_panels_avx512 : linear_q4_panels_avx2)
-                      : (wide ? llm_cpu::linear_panels_avx512 : linear_panels_avx2);
+  const auto run = q8          ? (wide ? llm_cpu::linear_q8_panels_avx512 : linear_q8_panels_avx2)
+                   : quantized ? (wide ? llm_cpu::linear_q4_panels_avx512 : linear_q4_panels_avx2)
+                               : (wide ? llm_cpu::linear_panels_avx512 : linear_panels_avx2);
   // A grain of 2 panels (64 columns): a 576-column matrix still splits over 2 threads, and no thread gets a sliver.
   at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return y;

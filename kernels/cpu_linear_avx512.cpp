@@ -10,6 +10,7 @@ namespace llm_cpu {
 
 // With 32 vector registers a tile holds 12 x rows times a 32-column panel (24 accumulators).
 void linear_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1) { panels<Avx512>(a, p0, p1); }
-void linear_q4_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1) { q4_panels<Avx512>(a, p0, p1); }
+void linear_q4_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1) { quant_panels<Avx512, Q4Format>(a, p0, p1); }
+void linear_q8_panels_avx512(const LinearArgs& a, int64_t p0, int64_t p1) { quant_panels<Avx512, Q8Format>(a, p0, p1); }
 
 }  // namespace llm_cpu

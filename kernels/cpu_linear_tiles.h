@@ -39,6 +39,10 @@ constexpr int64_t kHalves = 2;
 // then for each of the 32 k 16 bytes whose byte i holds column i's q (low nibble) and column i + 16's (high).
 constexpr int64_t kQ4Block = 32;  // k per block
 constexpr int64_t kQ4BlockBytes = 2 * kPanel * 4 + kQ4Block * kPanel / 2;  // 768
+// Q8 panels (pack_q8_weight): a weight that is d * q exactly (fp32 d, q in -127..127: what a Q8_0 GGUF
+// dequantizes to), (ceil(N / 32), K / 32, kQ8BlockBytes) bytes: per panel and block of 32 k the 32
+// columns' d, then for each k the 32 columns' q (int8), in column order.
+constexpr int64_t kQ8BlockBytes = kPanel * 4 + kQ4Block * kPanel;  // 1152
 
 // One call's operands, plain data so that both translation units can take it.
 struct LinearArgs {
@@ -61,7 +65,13 @@ struct Avx2 {
   static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // The 32 int8 q of one k of a Q8 block as floats, columns 0-7, 8-15, 16-23, 24-31.
+  static void int8s(const uint8_t* p, V* q) {
+    for (int v = 0; v < 4; ++v)
+      q[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v))));
+  }
   // The 32 q of one k of a Q4 block (16 bytes) as floats, columns 0-7, 8-15, 16-23, 24-31.
   static void nibbles(const uint8_t* p, V* q) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -84,7 +94,12 @@ struct Avx512 {
   static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void int8s(const uint8_t* p, V* q) {  // as Avx2::int8s: columns 0-15, 16-31
+    for (int v = 0; v < 2; ++v)
+      q[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v))));
+  }
   static void nibbles(const uint8_t* p, V* q) {  // as Avx2::nibbles: columns 0-15, 16-31
     const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(all, _mm512_set1_epi32(15)));
@@ -240,16 +255,31 @@ void panels(const LinearArgs& a, int64_t p0, int64_t p1) {
   }
 }
 
-// x rows [m0, m0 + MB) times the NP Q4 panels p, p + S, ...: each block's q become weights in registers,
-// fma(d, q, m) (d * q is exact in fp32, so this is the one rounding of d * q + m: the packed weight's own
-// bits), and then the same FMA chain over k = 0, 1, ... as `tile`, so the results are the fp32 panels' bits.
-template <class Vec, int MB, int NP>
-void tile_q4(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
+// The two quantized packings: where a block's q sit and how they become the weights' own bits.
+struct Q4Format {  // w = fma(d, q, m): d * q is exact in fp32, so this is the one rounding of d * q + m
+  static constexpr int64_t block_bytes = kQ4BlockBytes, q_offset = 2 * kPanel * 4, k_bytes = kPanel / 2;
+  static constexpr bool has_min = true;
+  template <class Vec>
+  static void q(const uint8_t* p, typename Vec::V* out) { Vec::nibbles(p, out); }
+};
+struct Q8Format {  // w = d * q, exact in fp32
+  static constexpr int64_t block_bytes = kQ8BlockBytes, q_offset = kPanel * 4, k_bytes = kPanel;
+  static constexpr bool has_min = false;
+  template <class Vec>
+  static void q(const uint8_t* p, typename Vec::V* out) { Vec::int8s(p, out); }
+};
+
+// x rows [m0, m0 + MB) times the NP quantized panels p, p + S, ...: each block's q become the weights in
+// registers (Format), and then the same FMA chain over k = 0, 1, ... as `tile`, so the results are the
+// fp32 panels' bits.
+template <class Vec, class Format, int MB, int NP>
+void tile_quant(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
   using V = typename Vec::V;
   constexpr int VP = kPanel / Vec::width;
   const int64_t K = a.K, blocks = K / kQ4Block;
   const uint8_t* base[NP];
-  for (int j = 0; j < NP; ++j) base[j] = reinterpret_cast<const uint8_t*>(a.P) + (p + j * S) * blocks * kQ4BlockBytes;
+  for (int j = 0; j < NP; ++j)
+    base[j] = reinterpret_cast<const uint8_t*>(a.P) + (p + j * S) * blocks * Format::block_bytes;
   const float* x = a.X + m0 * K;
   V acc[MB][NP][VP];
   for (auto& row : acc)
@@ -259,22 +289,28 @@ void tile_q4(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
     V d[NP][VP], m[NP][VP];
     const uint8_t* q[NP];
     for (int j = 0; j < NP; ++j) {
-      const uint8_t* block = base[j] + b * kQ4BlockBytes;
-      for (int64_t ahead = 2 * kQ4BlockBytes; ahead < 3 * kQ4BlockBytes; ahead += 64)
+      const uint8_t* block = base[j] + b * Format::block_bytes;
+      for (int64_t ahead = 2 * Format::block_bytes; ahead < 3 * Format::block_bytes; ahead += 64)
         _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
       const float* scales = reinterpret_cast<const float*>(block);
       for (int v = 0; v < VP; ++v) {
         d[j][v] = Vec::load(scales + v * Vec::width);
-        m[j][v] = Vec::load(scales + kPanel + v * Vec::width);
+        if constexpr (Format::has_min) m[j][v] = Vec::load(scales + kPanel + v * Vec::width);
       }
-      q[j] = block + 2 * kPanel * 4;
+      q[j] = block + Format::q_offset;
     }
     const float* xk = x + b * kQ4Block;
     for (int64_t kk = 0; kk < kQ4Block; ++kk) {
       V w[NP][VP];
       for (int j = 0; j < NP; ++j) {
-        Vec::nibbles(q[j] + kk * (kPanel / 2), w[j]);
-        for (int v = 0; v < VP; ++v) w[j][v] = Vec::fma(d[j][v], w[j][v], m[j][v]);
+        Format::template q<Vec>(q[j] + kk * Format::k_bytes, w[j]);
+        for (int v = 0; v < VP; ++v) {
+          if constexpr (Format::has_min) {
+            w[j][v] = Vec::fma(d[j][v], w[j][v], m[j][v]);
+          } else {
+            w[j][v] = Vec::mul(d[j][v], w[j][v]);
+          }
+        }
       }
       for (int i = 0; i < MB; ++i) {
         const V xb = Vec::broadcast(xk + i * K + kk);
@@ -287,32 +323,34 @@ void tile_q4(const LinearArgs& a, int64_t m0, int64_t p, int64_t S) {
     for (int j = 0; j < NP; ++j) store_panel<Vec>(a, acc[i][j], m0 + i, p + j * S);
 }
 
-// Q4 panels [p0, p1), R rows from m0; NP panels at once S apart, the rest NP / 2 at once (panels_by_streams).
-template <class Vec, int R, int NP>
-void q4_panels_by_streams(const LinearArgs& a, int64_t m0, int64_t p0, int64_t p1) {
+// Quantized panels [p0, p1), R rows from m0; NP panels at once S apart, the rest NP / 2 at once
+// (as panels_by_streams).
+template <class Vec, class Format, int R, int NP>
+void quant_panels_by_streams(const LinearArgs& a, int64_t m0, int64_t p0, int64_t p1) {
   const int64_t S = (p1 - p0) / NP;
-  for (int64_t i = 0; i < S; ++i) tile_q4<Vec, R, NP>(a, m0, p0 + i, S);
-  if constexpr (NP > 1) q4_panels_by_streams<Vec, R, NP / 2>(a, m0, p0 + NP * S, p1);
+  for (int64_t i = 0; i < S; ++i) tile_quant<Vec, Format, R, NP>(a, m0, p0 + i, S);
+  if constexpr (NP > 1) quant_panels_by_streams<Vec, Format, R, NP / 2>(a, m0, p0 + NP * S, p1);
 }
 
-// R_rows (<= max_rows) x rows from m0 times Q4 panels [p0, p1).
-template <class Vec, int R = max_rows<Vec>>
-void q4_rows(const LinearArgs& a, int64_t m0, int64_t R_rows, int64_t p0, int64_t p1) {
+// R_rows (<= max_rows) x rows from m0 times quantized panels [p0, p1).
+template <class Vec, class Format, int R = max_rows<Vec>>
+void quant_rows(const LinearArgs& a, int64_t m0, int64_t R_rows, int64_t p0, int64_t p1) {
   if constexpr (R >= 1) {
     if (R_rows != R) {
-      q4_rows<Vec, R - 1>(a, m0, R_rows, p0, p1);
+      quant_rows<Vec, Format, R - 1>(a, m0, R_rows, p0, p1);
       return;
     }
-    q4_panels_by_streams<Vec, R, (R <= 2 ? 2 : 1)>(a, m0, p0, p1);
+    quant_panels_by_streams<Vec, Format, R, (R <= 2 ? 2 : 1)>(a, m0, p0, p1);
   }
 }
 
-// One thread's Q4 panels [p0, p1): the x rows in passes of equal size, at most max_rows each.
-template <class Vec>
-void q4_panels(const LinearArgs& a, int64_t p0, int64_t p1) {
+// One thread's quantized panels [p0, p1): the x rows in passes of equal size, at most max_rows each.
+template <class Vec, class Format>
+void quant_panels(const LinearArgs& a, int64_t p0, int64_t p1) {
   const int64_t passes = (a.M + max_rows<Vec> - 1) / max_rows<Vec>;
   const int64_t rows = (a.M + passes - 1) / passes;
-  for (int64_t m0 = 0; m0 < a.M; m0 += rows) q4_rows<Vec>(a, m0, a.M - m0 < rows ? a.M - m0 : rows, p0, p1);
+  for (int64_t m0 = 0; m0 < a.M; m0 += rows)
+    quant_rows<Vec, Format>(a, m0, a.M - m0 < rows ? a.M - m0 : rows, p0, p1);
 }
 
 }  // namespace

@@ -152,6 +152,32 @@ def test_q4_panels_give_the_fp32_panels_bits(M, N, K, isa):
         assert torch.equal(kernel(x, q4, N, bias, residual), linear(x, w, bias, residual))
 
 
+def q8_weight(N, K, seed=0):
+    """An (N, K) weight exactly d * q in every run of 32 k (fp16 d, q in -127..127), as a Q8_0 GGUF
+    dequantizes, each block holding a q of magnitude 127."""
+    g = torch.Generator().manual_seed(seed)
+    nb = K // 32
+    d = (1e-4 + torch.rand(N, nb, 1, generator=g) * 0.001).half().float()
+    q = torch.randint(-127, 128, (N, nb, 32), generator=g).float()
+    q[..., 3] = -127
+    d[0, 0], q[0, 0] = 0, 0  # an all-zero block (a quantizer gives q = 0 there: no -0.0)
+    return (d * q).reshape(N, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(64, 576), (130, 1536), (40, 32)])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 13])
+def test_q8_panels_give_the_fp32_panels_bits(M, N, K, isa):
+    g = torch.Generator().manual_seed(M + N + K)
+    w = q8_weight(N, K, seed=N + K)
+    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    q8 = cpu_kernels.pack_q8_weight(w)
+    assert q8 is not None and q8.dtype == torch.uint8 and q8.shape == (-(-N // 32), K // 32, 1152)
+    assert cpu_kernels.pack_q4_weight(w) is None  # one format each
+    for bias, residual in [(None, None), (b, r)]:
+        assert torch.equal(kernel(x, q8, N, bias, residual), linear(x, w, bias, residual))
+
+
 @needs_kernel
 def test_q4_packing_refuses_what_it_cannot_rebuild_exactly():
     w = q4_weight(64, 576)
@@ -161,6 +187,7 @@ def test_q4_packing_refuses_what_it_cannot_rebuild_exactly():
     almost[5, 100] = torch.nextafter(almost[5, 100], torch.tensor(1.0))  # one value one ulp off
     assert cpu_kernels.pack_q4_weight(almost) is None
     assert cpu_kernels.pack_q4_weight(w.double()) is None
+    assert cpu_kernels.pack_q8_weight(torch.randn(64, 576)) is None and cpu_kernels.pack_q8_weight(w) is None
 
 
 @needs_kernel
@@ -168,27 +195,29 @@ def test_linear_reads_q4_panels_for_few_rows_with_the_same_results(monkeypatch):
     w, b = q4_weight(96, 64), torch.randn(96)
     lin = Linear(64, 96, bias=True)
     lin.load(w, b)
-    assert lin.q4_panels is not None
-    assert lin.panels_for(cpu_kernels.Q4_MAX_ROWS) is lin.q4_panels
+    assert lin.quant_panels is not None and lin.quant_panels.shape[-1] == 768  # Q4
+    assert lin.panels_for(cpu_kernels.Q4_MAX_ROWS) is lin.quant_panels
     assert lin.panels_for(cpu_kernels.Q4_MAX_ROWS + 1) is lin.panels
     for M in (1, cpu_kernels.Q4_MAX_ROWS, cpu_kernels.Q4_MAX_ROWS + 1):
         x = torch.randn(M, 64)
         assert torch.equal(lin(x), linear(x, w, b))
     monkeypatch.setenv("LLM_Q4_PANELS", "0")  # the switch: fp32 panels only
     lin.repack()
-    assert lin.q4_panels is None and lin.panels_for(1) is lin.panels
+    assert lin.quant_panels is None and lin.panels_for(1) is lin.panels
 
 
 @needs_kernel
 @pytest.mark.model
-def test_smollm2s_layer_matrices_are_all_read_as_q4():
-    # The served GGUF holds them as Q4_1: every one must be found exact, or decode steps read 5x the bytes.
+def test_smollm2s_matrices_are_all_read_quantized():
+    # The served GGUF holds the layers' as Q4_1 and the (tied) embedding as Q8_0: every one must be found
+    # exact, or decode steps read 4-5x the bytes.
     from backend.checkpoint import load_checkpoint
 
     state_dict = load_checkpoint("smollm2").state_dict
     projections = [name for name in state_dict if name.endswith("_proj.weight")]
     assert len(projections) == 7 * 30
     assert all(cpu_kernels.pack_q4_weight(state_dict[name]) is not None for name in projections)
+    assert cpu_kernels.pack_q8_weight(state_dict["model.embed_tokens.weight"]) is not None  # Q8_0: the lm_head
 
 
 @needs_kernel
@@ -203,7 +232,7 @@ def test_smollm2s_layer_matrices_are_all_read_as_q4():
         (lambda: linear(torch.randn(1, 6), torch.randn(4, 8)), "6 columns"),
         (lambda: linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
         (lambda: linear(torch.randn(2, 8), torch.randn(4, 8), None, torch.randn(1, 4)), "residual"),
-        (lambda: kernel(torch.randn(1, 64), torch.zeros(1, 2, 700, dtype=torch.uint8), 32), "Q4 panels"),
+        (lambda: kernel(torch.randn(1, 64), torch.zeros(1, 2, 700, dtype=torch.uint8), 32), "Q4/Q8 panels"),
         (lambda: kernel(torch.randn(1, 60), cpu_kernels.pack_q4_weight(q4_weight(32, 64)), 32), "60 columns"),
     ],
 )
