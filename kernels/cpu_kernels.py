@@ -5,9 +5,9 @@ threaded with torch's intra-op threads:
 - `llm_cpu::linear(x (M, K), packed_weight, n, bias (n,)?, residual (M, n)?) -> (M, n)` (cpu_linear.cpp):
   the matmuls of decode steps and short prefill chunks, M <= MAX_LINEAR_ROWS (above, oneDNN's GEMM is
   faster: long prefills), with the (n, K) weight packed once by
-  `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`, or, where the weight is exactly Q4
-  (what a Q4_1 GGUF dequantizes to), as Q4 panels by `pack_q4_weight` (a fifth of the bytes; the same
-  results, bit for bit). Reference: `linear_ref`.
+  `llm_cpu::pack_linear_weight(weight) -> (ceil(n / 32), K, 32)`, or, where the weight is exactly Q4 or
+  Q8 (what a Q4_1 / Q8_0 GGUF dequantizes to), as Q4 / Q8 panels by `pack_q4_weight` / `pack_q8_weight`
+  (a fifth / a quarter of the bytes; the same results, bit for bit). Reference: `linear_ref`.
 - `llm_cpu::paged_decode(q (B, H, D), k_cache, v_cache (NB, BS, KVH, D), block_tables (B, max_blocks) int32,
   seq_lens (B,) int32, scale) -> (B, H, D)` (cpu_paged_attention.cpp): decode attention straight from
   the paged cache. Reference: kernels.reference.paged_attention_decode_ref. `paged_attention_decode_cpu`
