@@ -46,7 +46,7 @@ constexpr int64_t kQ8BlockBytes = kPanel * 4 + kQ4Block * kPanel;  // 1152
 
 // One call's operands, plain data so that both translation units can take it.
 struct LinearArgs {
-  const float* P;         // (ceil(N / 32), K, 32) packed weight (or Q4 panels, as bytes)
+  const float* P;         // (ceil(N / 32), K, 32) packed weight (or Q4 / Q8 panels, as bytes)
   const float* X;         // (M, K) row-major
   const float* bias;      // (N,) or null
   const float* residual;  // (M, N) or null

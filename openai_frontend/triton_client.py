@@ -14,8 +14,8 @@ tritonclient used that is not public). Step responses are decoded from the raw b
 (backend/wire.py), the health probe's with tritonclient's InferResult.
 A request whose client went away is ended twice over (docs/wire-contract.md, "Cancelling"): a cancel
 message naming its request id, which the engine acts on before its next step, and the cancelled gRPC
-call, which the engine notices when it next asks `is_cancelled()` (rarely: each question is a round
-trip), for models that know no cancel message.
+call, which the engine notices when it next asks `is_cancelled()` (a few running requests every 50 ms,
+in turn: each question is a round trip), for models that know no cancel message.
 """
 
 from __future__ import annotations
