@@ -59,6 +59,56 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
     )
 
 
+class StreamInterval(Generic[Sink]):
+    """Holds each sequence's step messages until `interval` of them are pending (vLLM's and SGLang's
+    `stream_interval`): fewer, larger responses for less work per token on the path, at the price of
+    tokens arriving `interval` at a time. A sequence's first message and its last go at once (the first
+    token's latency and the end of a stream never wait), and a request's failure goes after the messages
+    held for it. What is released together the sender joins into one response (PendingResponses).
+    Engine thread only.
+    """
+
+    def __init__(self, interval: int) -> None:
+        if interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+        self.interval = interval
+        self._held: dict[tuple[str, int], list[tuple[Sink, StepOutput]]] = {}
+
+    def __len__(self) -> int:
+        """How many messages are held."""
+        return sum(len(held) for held in self._held.values())
+
+    def release(self, routed: list[tuple[Sink, EngineOutput]]) -> list[tuple[Sink, EngineOutput]]:
+        """One step's messages -> those to send now, in order (held ones first where they join)."""
+        if self.interval == 1:
+            return routed
+        ready: list[tuple[Sink, EngineOutput]] = []
+        for sink, output in routed:
+            if isinstance(output, RequestFailure):
+                ready.extend(self.release_request(output.request_id))
+                ready.append((sink, output))
+                continue
+            key = (output.request_id, output.seq_index)
+            held = self._held.get(key)
+            if held is None:
+                held = self._held[key] = []
+            held.append((sink, output))
+            if output.step == 0 or output.finished or output.request_finished or len(held) >= self.interval:
+                ready.extend(held)
+                del self._held[key]
+        return ready
+
+    def release_request(self, request_id: str) -> list[tuple[Sink, EngineOutput]]:
+        """Every message held for `request_id`."""
+        keys = [key for key in self._held if key[0] == request_id]
+        return [pair for key in keys for pair in self._held.pop(key)]
+
+    def release_all(self) -> list[tuple[Sink, EngineOutput]]:
+        ready = [pair for held in self._held.values() for pair in held]
+        self._held.clear()
+        return ready
+
+
 class _Request(Generic[Sink]):
     """One request's unsent messages: per sequence its pending steps, and a failure if one came."""
 

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     compile: bool = False  # CPU: torch.compile the decode-only forward (slow start; backend/compiled_decode.py)
+    stream_interval: int = 1  # a response per sequence every N steps (its first and last at once); served only
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -43,6 +44,7 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
         check(self.max_model_len is None or self.max_model_len >= 16, "max_model_len must be >= 16")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.stream_interval >= 1, "stream_interval must be >= 1")
         check(not self.compile or self.device == "cpu", "compile is for the CPU path (CUDA runs the Triton kernels)")
 
     @classmethod

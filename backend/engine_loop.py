@@ -13,6 +13,9 @@ Responses go out between steps: the next step starts once the sender has sent th
 to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
 it stalls the step's OpenMP threads, which wait for each other at every parallel region.
 
+With `stream_interval` N > 1 (config.pbtxt) each sequence's messages are held until N are pending (its
+first and last go at once), and sent as one response (backend/coalescing.StreamInterval).
+
 A sender that fell behind (more than one step queued) joins each sequence's pending steps into one
 response (backend/coalescing.py), so it catches up without losing or reordering anything. It sends one
 request's responses at a time and takes in what was queued meanwhile before the next: a request that
@@ -38,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from backend.coalescing import PendingResponses
+from backend.coalescing import PendingResponses, StreamInterval
 from backend.engine import EngineStats, LLMEngine
 from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, StepOutput
 
@@ -100,6 +103,7 @@ class EngineLoop(Generic[Sink]):
         is_cancelled: Callable[[Sink], bool] = lambda sink: False,
         on_stats: Callable[[EngineStats], None] = lambda stats: None,
         trace: StepTrace | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self._build_engine = build_engine
         self.engine: LLMEngine | None = None  # set on the engine thread by start()
@@ -112,6 +116,7 @@ class EngineLoop(Generic[Sink]):
         self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None]] = queue.Queue()
         # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
         self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
+        self._held: StreamInterval[Sink] = StreamInterval(stream_interval)  # engine thread only
         self._sinks: dict[str, Sink] = {}  # engine thread only
         self._keys: dict[str, str] = {}  # request id -> the key it was submitted under (engine thread only)
         self._cancel_keys: queue.SimpleQueue[str] = queue.SimpleQueue()  # keys whose requests to abort
@@ -193,7 +198,8 @@ class EngineLoop(Generic[Sink]):
                     took = time.perf_counter() - start
                     if self._trace is not None:
                         self._trace.add("step", start, start + took, str(len(outputs)))
-                    self._enqueue([routed for output in outputs if (routed := self._route(output)) is not None])
+                    routed = [pair for output in outputs if (pair := self._route(output)) is not None]
+                    self._enqueue(self._held.release(routed))
                     self._wait_until_sent(min(SEND_WAIT_S, SEND_WAIT_FRACTION * took))
                     stats_current = False
                 now = time.monotonic()
@@ -213,6 +219,7 @@ class EngineLoop(Generic[Sink]):
         # asked about cancellation no more: that error is its last response).
         with self._watched_lock:
             self._watched.clear()
+        self._enqueue(self._held.release_all())
         self._enqueue(
             [
                 (sink, RequestFailure(request_id, "the model is shutting down"))

@@ -10,7 +10,7 @@ import threading
 import time
 
 from backend import engine_loop
-from backend.coalescing import PendingResponses, join_steps
+from backend.coalescing import PendingResponses, StreamInterval, join_steps
 from backend.engine_loop import EngineLoop
 from backend.types import FinishReason, RequestFailure, SamplingParams, StepOutput
 from tests.engine_helpers import check_stream_invariants, coalesce, run_to_completion, tiny_engine
@@ -137,3 +137,56 @@ def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
     check_stream_invariants(received, {"r": 2})
     assert received[-1].request_finished and sum(o.request_finished for o in received) == 1
     assert joined_view(received) == joined_view(want)
+
+
+def test_stream_interval_sends_the_first_message_at_once_then_groups_and_the_last_at_once():
+    held: StreamInterval[str] = StreamInterval(3)
+    released = [[(s, m.request_id, m.step) for s, m in held.release([("a", _step("a", k))])] for k in range(5)]
+    assert released == [[("a", "a", 0)], [], [], [("a", "a", 1), ("a", "a", 2), ("a", "a", 3)], []]
+    assert len(held) == 1
+    last = held.release([("a", _step("a", 5, finished=True))])
+    assert [(m.step, m.request_finished) for _, m in last] == [(4, False), (5, True)]  # the last never waits
+    assert len(held) == 0
+
+
+def test_stream_interval_releases_a_requests_held_messages_before_its_failure_and_keeps_others():
+    held: StreamInterval[str] = StreamInterval(4)
+    held.release([("a", _step("a", 0)), ("b", _step("b", 0))])
+    assert held.release([("a", _step("a", 1)), ("b", _step("b", 1))]) == []
+    failure = RequestFailure("a", "boom")
+    out = held.release([("a", failure)])
+    assert [(m.request_id, getattr(m, "step", None)) for _, m in out] == [("a", 1), ("a", None)]
+    assert [(m.request_id, m.step) for _, m in held.release_all()] == [("b", 1)]
+    assert StreamInterval(1).release([("a", _step("a", 1))]) == [("a", _step("a", 1))]
+
+
+def test_stream_interval_through_the_engine_loop_gives_the_same_stream_in_fewer_responses():
+    # n = 2 with logprobs: each sequence's first message alone, then groups of 4 steps, its last at once;
+    # joined, the stream equals the engine's own, step by step.
+    want = engine_outputs(n=2, max_tokens=11)
+    received: list = []
+    done = threading.Event()
+
+    def send(sink, output):
+        received.append(output)
+        if isinstance(output, RequestFailure) or output.request_finished:
+            done.set()
+
+    engine = tiny_engine()
+    loop = EngineLoop(lambda: engine, send=send, stream_interval=4)
+    loop.start()
+    try:
+        params = SamplingParams(n=2, max_tokens=11, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
+        loop.submit(engine.make_request("r", "hello there", params), "sink")
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    check_stream_invariants(received, {"r": 2})
+    assert joined_view(received) == joined_view(want)
+    for seq in (0, 1):
+        msgs = [o for o in received if o.seq_index == seq]
+        lengths = [o.num_steps for o in msgs]
+        assert lengths[0] == 1 and all(k <= 4 for k in lengths) and msgs[-1].finished
+        assert len(msgs) < len([o for o in want if o.seq_index == seq])
+        if not any(o.finished for o in want if o.seq_index == seq and o.step < 5):  # (an early stop ends sooner)
+            assert lengths[1] == 4

@@ -88,6 +88,7 @@ class TritonPythonModel:
             is_cancelled=lambda s: s.is_cancelled(),
             on_stats=self._publish_stats,
             trace=StepTrace(f"{trace_path}.{args['model_instance_name']}") if trace_path else None,
+            stream_interval=config.stream_interval,
         )
         self.engine = self.loop.start()
 
