@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from typing import Any
 
 import httpx
@@ -409,12 +410,16 @@ async def test_response_after_finish_is_a_violation() -> None:
 async def test_violation_cancels_the_other_prompts() -> None:
     def script(prompt, params):
         steps = scripted_steps([["a", "b", "c"]])
-        return [steps[0], steps[2]] if prompt == "bad" else [steps[0], 0.2, *steps[1:]]
+        return [steps[0], steps[2]] if prompt == "bad" else [steps[0], 30.0, *steps[1:]]
 
     engine = FakeEngineClient(script)
     events = await stream(engine, "/v1/completions", {"prompt": ["good", "bad"]})
     assert events[-1]["error"]["code"] == "stream_integrity_violation"
-    await asyncio.sleep(0.01)
+    # The good prompt would wait 30 s for its next step: only a cancel ends it sooner. (Polled, not slept
+    # for a fixed time: on a loaded machine the cancel can take longer than a few milliseconds to land.)
+    deadline = time.monotonic() + 10
+    while not any(rid.endswith("-0") for rid in engine.cancelled) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     assert any(rid.endswith("-0") for rid in engine.cancelled)
 
 
