@@ -42,9 +42,15 @@ def test_perf_analyzer_streams_the_input_data(servers, tmp_path) -> None:
         export=export,
         csv=tmp_path / "pa.csv",
     )
-    result = subprocess.run(cmd, env=perf_tools.tools_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Request concurrency: 2" in result.stdout
+    for _attempt in range(2):
+        result = subprocess.run(cmd, env=perf_tools.tools_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "Request concurrency: 2" in result.stdout
+        # perf_analyzer 2.50 once left an empty export after a clean run, in a fresh-clone CI (and none in 15
+        # runs in a row after it). It reads outputs a response lacks from whatever its buffers held (see
+        # num_steps below), so a garbage value its JSON writer refuses is a likely cause: one retry.
+        if export.is_file() and export.stat().st_size > 0:
+            break
 
     assert export.is_file() and export.stat().st_size > 0, "empty export:\n" + result.stdout + result.stderr
     max_tokens = SamplingParams.from_json(
