@@ -177,8 +177,7 @@ Q4_BLOCK = 32  # k per Q4 block (cpu_linear_tiles.h: kQ4Block)
 # Up to this many rows the Q4 panels beat the fp32 ones (they read a fifth of the bytes, but turn every
 # q into a weight: arithmetic that more rows make the bound); benchmarks/cpu_linear_bench.py's kernel_q4.
 Q4_MAX_ROWS = 10
-# The same for Q8 panels (1.125 bytes a weight; SmolLM2's lm_head, 49152 x 576, at 1 / 4 / 8 rows read
-# 0.87 / 1.66 / 3.0 ms against the fp32 panels' 2.48 / 2.43 / 2.96).
+# The same for Q8 panels (1.125 bytes a weight; measured on SmolLM2's lm_head: docs/kernels.md).
 Q8_MAX_ROWS = 6
 
 
@@ -197,15 +196,23 @@ def pack_quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, int] | No
     return None
 
 
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) as (N, K / 32, 32), its runs of 32 k; None where it cannot be Q4 / Q8 panels (not fp32 on
+    the CPU, or K not a multiple of 32)."""
+    N, K = weight.shape
+    if K % Q4_BLOCK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return weight.detach().reshape(N, K // Q4_BLOCK, Q4_BLOCK)
+
+
 def pack_q8_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """weight (N, K) -> Q8 panels, uint8 (ceil(N / 32), K / 32, 1152), when every run of 32 k of each row is
     exactly d * q (fp32 d, q in -127..127: what a Q8_0 GGUF dequantizes to, d an fp16 value; d * q is exact
     in fp32); None for any other weight. Checked bit for bit, as pack_q4_weight."""
-    N, K = weight.shape
-    if K % Q4_BLOCK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    w = _blocks(weight)  # (N, blocks, 32)
+    if w is None:
         return None
-    nb = K // Q4_BLOCK
-    w = weight.detach().reshape(N, nb, Q4_BLOCK)  # (N, blocks, 32)
+    N, nb, _ = w.shape
     d = (w.abs().amax(-1, keepdim=True) / 127).half().float()  # the block's largest |q| is 127
     q = torch.where(d > 0, torch.round(w / torch.where(d > 0, d, 1.0)), 0.0).clamp_(-127, 127)
     if not torch.equal((d * q).view(torch.int32), w.view(torch.int32)):
@@ -224,11 +231,10 @@ def pack_q4_weight(weight: torch.Tensor) -> torch.Tensor | None:
     to, d and m being fp16 values); None for any other weight. `linear()` returns the same bits from
     either packing; this one reads 0.75 bytes per weight instead of 4. Checked bit for bit here: a weight
     is packed only if d * q + m rebuilds every one of its values (K a multiple of 32)."""
-    N, K = weight.shape
-    if K % Q4_BLOCK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    w = _blocks(weight)  # (N, blocks, 32)
+    if w is None:
         return None
-    nb = K // Q4_BLOCK
-    w = weight.detach().reshape(N, nb, Q4_BLOCK)  # (N, blocks, 32)
+    N, nb, _ = w.shape
     m = w.amin(-1, keepdim=True)  # q = 0 is the block's least value
     d = ((w.amax(-1, keepdim=True) - m) / 15).half().float()  # q = 15 its greatest; d is an fp16 value
     q = torch.where(d > 0, torch.round((w - m) / torch.where(d > 0, d, 1.0)), 0.0).clamp_(0, 15)

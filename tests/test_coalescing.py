@@ -35,11 +35,37 @@ def joined_view(outputs) -> dict[int, tuple]:
     return view
 
 
+def sampling(n: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=max_tokens, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
+
+
 def engine_outputs(n: int = 2, max_tokens: int = 9) -> list[StepOutput]:
     engine = tiny_engine()
-    params = SamplingParams(n=n, max_tokens=max_tokens, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
-    engine.add_request(engine.make_request("r", "hello there", params))
+    engine.add_request(engine.make_request("r", "hello there", sampling(n, max_tokens)))
     return [o for o in run_to_completion(engine) if isinstance(o, StepOutput)]
+
+
+def loop_outputs(n: int, max_tokens: int, send_delay: float = 0.0, **loop_settings) -> list:
+    """What the sink of engine_outputs' request receives through an EngineLoop (each send taking
+    `send_delay` seconds), to the request's last response."""
+    received: list = []
+    done = threading.Event()
+
+    def send(sink, output):
+        time.sleep(send_delay)
+        received.append(output)
+        if isinstance(output, RequestFailure) or output.request_finished:
+            done.set()
+
+    engine = tiny_engine()
+    loop = EngineLoop(lambda: engine, send=send, **loop_settings)
+    loop.start()
+    try:
+        loop.submit(engine.make_request("r", "hello there", sampling(n, max_tokens)), "sink")
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    return received
 
 
 def test_joining_all_steps_of_a_sequence_keeps_everything():
@@ -114,24 +140,7 @@ def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
     # pending steps go out as one response. Joined, the stream equals the engine's own, step by step.
     monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.0)
     want = engine_outputs(n=2, max_tokens=24)
-    received: list = []
-    done = threading.Event()
-
-    def slow_send(sink, output):
-        time.sleep(0.02)
-        received.append(output)
-        if isinstance(output, RequestFailure) or output.request_finished:
-            done.set()
-
-    engine = tiny_engine()
-    loop = EngineLoop(lambda: engine, send=slow_send)
-    loop.start()
-    try:
-        params = SamplingParams(n=2, max_tokens=24, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
-        loop.submit(engine.make_request("r", "hello there", params), "sink")
-        assert done.wait(60)
-    finally:
-        loop.stop()
+    received = loop_outputs(n=2, max_tokens=24, send_delay=0.02)
     assert all(isinstance(o, StepOutput) for o in received)
     assert len(received) < len(want) and any(o.num_steps > 1 for o in received)
     check_stream_invariants(received, {"r": 2})
@@ -164,23 +173,7 @@ def test_stream_interval_through_the_engine_loop_gives_the_same_stream_in_fewer_
     # n = 2 with logprobs: each sequence's first message alone, then groups of 4 steps, its last at once;
     # joined, the stream equals the engine's own, step by step.
     want = engine_outputs(n=2, max_tokens=11)
-    received: list = []
-    done = threading.Event()
-
-    def send(sink, output):
-        received.append(output)
-        if isinstance(output, RequestFailure) or output.request_finished:
-            done.set()
-
-    engine = tiny_engine()
-    loop = EngineLoop(lambda: engine, send=send, stream_interval=4)
-    loop.start()
-    try:
-        params = SamplingParams(n=2, max_tokens=11, logprobs=2, prompt_logprobs=1, seed=7, temperature=1.0)
-        loop.submit(engine.make_request("r", "hello there", params), "sink")
-        assert done.wait(60)
-    finally:
-        loop.stop()
+    received = loop_outputs(n=2, max_tokens=11, stream_interval=4)
     check_stream_invariants(received, {"r": 2})
     assert joined_view(received) == joined_view(want)
     for seq in (0, 1):

@@ -143,13 +143,20 @@ def q4_weight(N, K, seed=0):
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 13, 25])
 def test_q4_panels_give_the_fp32_panels_bits(M, N, K, isa):
     # Dequantized in registers by one fma(d, q, m), then the same FMA chain over k: not close, identical.
-    g = torch.Generator().manual_seed(M + N + K)
     w = q4_weight(N, K, seed=N + K)
-    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     q4 = cpu_kernels.pack_q4_weight(w)
     assert q4 is not None and q4.dtype == torch.uint8 and q4.shape == (-(-N // 32), K // 32, 768)
+    assert_same_bits(M, w, q4)
+
+
+def assert_same_bits(M: int, w: torch.Tensor, quant_panels: torch.Tensor) -> None:
+    """The kernel on `quant_panels` gives the fp32 panels' results for M random rows, bit for bit, with
+    and without bias and residual."""
+    N, K = w.shape
+    g = torch.Generator().manual_seed(M + N + K)
+    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     for bias, residual in [(None, None), (b, r)]:
-        assert torch.equal(kernel(x, q4, N, bias, residual), linear(x, w, bias, residual))
+        assert torch.equal(kernel(x, quant_panels, N, bias, residual), linear(x, w, bias, residual))
 
 
 def q8_weight(N, K, seed=0):
@@ -168,14 +175,11 @@ def q8_weight(N, K, seed=0):
 @pytest.mark.parametrize("N,K", [(64, 576), (130, 1536), (40, 32)])
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 13])
 def test_q8_panels_give_the_fp32_panels_bits(M, N, K, isa):
-    g = torch.Generator().manual_seed(M + N + K)
     w = q8_weight(N, K, seed=N + K)
-    x, b, r = torch.randn(M, K, generator=g), torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     q8 = cpu_kernels.pack_q8_weight(w)
     assert q8 is not None and q8.dtype == torch.uint8 and q8.shape == (-(-N // 32), K // 32, 1152)
     assert cpu_kernels.pack_q4_weight(w) is None  # one format each
-    for bias, residual in [(None, None), (b, r)]:
-        assert torch.equal(kernel(x, q8, N, bias, residual), linear(x, w, bias, residual))
+    assert_same_bits(M, w, q8)
 
 
 @needs_kernel
