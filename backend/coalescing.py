@@ -25,12 +25,13 @@ Sink = TypeVar("Sink")
 
 
 def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
-    """Consecutive messages of one sequence -> one message covering all their steps."""
+    """Consecutive messages of one sequence (each covering one step or several) -> one message covering
+    all their steps."""
     first, last = outputs[0], outputs[-1]
     if len(outputs) == 1:
         return first
     assert all(o.request_id == first.request_id and o.seq_index == first.seq_index for o in outputs)
-    assert [o.step for o in outputs] == list(range(first.step, first.step + len(outputs))), "steps must be consecutive"
+    assert all(b.step == a.step + a.num_steps for a, b in zip(outputs, outputs[1:])), "steps must be consecutive"
     assert not any(o.finished for o in outputs[:-1]), "nothing follows a sequence's last message"
     lps = [o.logprobs for o in outputs if o.logprobs is not None]
     logprobs = None

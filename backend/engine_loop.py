@@ -1,16 +1,19 @@
-"""Runs an engine on its own thread and hands its outputs to a sender thread.
+"""Runs an engine on its own thread; its outputs go out between steps, the rest on a sender thread.
 
-The engine thread never blocks on the network: it steps the engine and puts the (already frozen)
-outputs on a queue; the sender thread takes them off and sends them. Nothing mutable is
-shared between the two threads: a StepOutput is frozen and the sink objects are only passed along.
+The engine thread steps the engine and sends the step's (already frozen) outputs itself while the
+sender thread has nothing to send and the sends fit the wait below: the next step waits for them
+anyway, and handing them over would cost two thread wake-ups a step. What does not fit (sends slower
+than the wait, more outputs than fit in it) it puts on a queue, which the sender thread empties; the
+engine steps on. Nothing mutable is shared between the two threads: a StepOutput is frozen and the
+sink objects are only passed along.
 A client that goes away can say so (`cancel`, by the key it submitted the request under: the frontend
 sends such a message when its HTTP client disconnects); the request is aborted before the next step.
 For clients that only close their stream, a third thread asks the running requests' sinks whether their
 client went away (each question is a round trip to tritonserver, which on the engine thread would hold
 up the next step) and hands the engine thread the ids to abort.
 
-Responses go out between steps: the next step starts once the sender has sent the last one's (up
-to a quarter of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
+Responses go out between steps: the next step starts once the last one's are sent (up to a quarter
+of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
 it stalls the step's OpenMP threads, which wait for each other at every parallel region.
 
 With `stream_interval` N > 1 (config.pbtxt) each sequence's messages are held until N are pending (its
@@ -57,6 +60,8 @@ IDLE_WAIT_S = 0.05
 # large GPU batch, a stalled client) the engine goes on and the sender joins the steps that queue up.
 SEND_WAIT_S = 0.05
 SEND_WAIT_FRACTION = 0.25
+# The weight of the latest send in the running estimate of what a send takes (an exponential average).
+SEND_TIME_WEIGHT = 0.2
 # How often running requests are asked whether their client went away, and how many at most each time
 # (each question is a round trip to tritonserver, on the cancel-watcher thread). Beyond
 # CANCEL_CHECKS_PER_POLL running requests they are asked in turn, so a cancelled one is noticed within
@@ -132,6 +137,7 @@ class EngineLoop(Generic[Sink]):
         self._cancelled: queue.SimpleQueue[tuple[str, Sink]] = queue.SimpleQueue()
         self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
+        self._send_s = 0.0  # what a response takes to send, lately (either thread updates it)
         self._sent = threading.Condition()
         self._stopping = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_main, name="engine-loop", daemon=True)
@@ -199,8 +205,7 @@ class EngineLoop(Generic[Sink]):
                     if self._trace is not None:
                         self._trace.add("step", start, start + took, str(len(outputs)))
                     routed = [pair for output in outputs if (pair := self._route(output)) is not None]
-                    self._enqueue(self._held.release(routed))
-                    self._wait_until_sent(min(SEND_WAIT_S, SEND_WAIT_FRACTION * took))
+                    self._send_step(self._held.release(routed), min(SEND_WAIT_S, SEND_WAIT_FRACTION * took))
                     stats_current = False
                 now = time.monotonic()
                 # Every interval while busy, and once as soon as the engine is idle (so freed KV
@@ -290,6 +295,28 @@ class EngineLoop(Generic[Sink]):
             self._unsent += len(outputs)
         self._outgoing.put(outputs)
 
+    def _send_step(self, outputs: list[tuple[Sink, EngineOutput]], budget: float) -> None:
+        """A step's responses go out before the next step starts, for up to `budget` seconds. While the
+        sender has nothing unsent, the engine thread sends them itself (handing them to the sender and
+        being told they are sent would cost two thread wake-ups per step), one request at a time as the
+        sender would; what the budget leaves it hands to the sender."""
+        deadline = time.perf_counter() + budget
+        with self._sent:
+            sender_idle = self._unsent == 0  # and it stays so: only this thread adds to it
+        if sender_idle and outputs:
+            pending: PendingResponses[Sink] = PendingResponses()
+            for sink, output in outputs:
+                pending.add(sink, output)
+            # (Sends slower than the budget, as from a stalled tritonserver, all go to the sender.)
+            while pending and time.perf_counter() + self._send_s < deadline:
+                for sink, message, _ in pending.take():
+                    self._send_one(sink, message)
+            outputs = []
+            while pending:
+                outputs.extend((sink, message) for sink, message, _ in pending.take())
+        self._enqueue(outputs)
+        self._wait_until_sent(deadline - time.perf_counter())
+
     def _wait_until_sent(self, timeout: float) -> None:
         """The next step starts once this step's responses are sent (or `timeout` passed): sending
         needs the GIL and a core, and taken during a step it stalls the step's OpenMP threads."""
@@ -320,21 +347,28 @@ class EngineLoop(Generic[Sink]):
     def _send_request(self, responses: list[tuple[Sink, EngineOutput, int]]) -> None:
         """One request's responses, each covering `covered` queued outputs."""
         for sink, output, covered in responses:
-            if isinstance(output, RequestFailure) or output.request_finished:
-                with self._watched_lock:  # (see _asking)
-                    self._watched_lock.wait_for(lambda sink=sink: self._asking is not sink)
             try:
-                start = time.perf_counter()
-                self._send(sink, output)
-                if self._trace is not None:
-                    self._trace.add("send", start, time.perf_counter(), str(covered))
-            except Exception:  # a client that went away must not stop the others
-                logger.exception("sending a response for %s failed", output.request_id)
+                self._send_one(sink, output)
             finally:
                 with self._sent:
                     self._unsent -= covered
                     if self._unsent == 0:
                         self._sent.notify_all()
+
+    def _send_one(self, sink: Sink, output: EngineOutput) -> None:
+        """One response, on the sender thread or (while the sender is idle) the engine thread."""
+        if isinstance(output, RequestFailure) or output.request_finished:
+            with self._watched_lock:  # (see _asking)
+                self._watched_lock.wait_for(lambda: self._asking is not sink)
+        start = time.perf_counter()
+        try:
+            self._send(sink, output)
+            if self._trace is not None:  # (how many engine messages it covers)
+                self._trace.add("send", start, time.perf_counter(), str(getattr(output, "num_steps", 1)))
+        except Exception:  # a client that went away must not stop the others
+            logger.exception("sending a response for %s failed", output.request_id)
+        finally:
+            self._send_s += SEND_TIME_WEIGHT * (time.perf_counter() - start - self._send_s)
 
     # -- cancel-watcher thread ----------------------------------------------------------------
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from backend import engine_loop
+import pytest
+
 from backend.coalescing import PendingResponses, StreamInterval, join_steps
 from backend.engine_loop import EngineLoop
 from backend.types import FinishReason, RequestFailure, SamplingParams, StepOutput
@@ -78,6 +79,15 @@ def test_joining_all_steps_of_a_sequence_keeps_everything():
         assert joined.request_finished == msgs[-1].request_finished
 
 
+def test_joining_messages_that_are_joined_already_keeps_everything():
+    # (The engine thread hands the sender what it had no time to send, joined per sequence.)
+    msgs = [o for o in engine_outputs(max_tokens=9) if o.seq_index == 0]
+    twice = join_steps([join_steps(msgs[:2]), msgs[2], join_steps(msgs[3:])])
+    assert twice == join_steps(msgs)
+    with pytest.raises(AssertionError, match="consecutive"):
+        join_steps([join_steps(msgs[:2]), msgs[3]])
+
+
 def test_coalesce_joins_per_sequence_and_keeps_the_final_message_last():
     outputs = engine_outputs()
     failure = RequestFailure("other", "boom")
@@ -135,10 +145,9 @@ def test_a_request_id_used_again_after_its_request_ended_is_a_new_request():
     assert not pending
 
 
-def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream(monkeypatch):
+def test_a_slow_consumer_gets_fewer_responses_and_the_same_stream():
     # The engine steps on while the sender sleeps on every response: steps queue up, and each sequence's
     # pending steps go out as one response. Joined, the stream equals the engine's own, step by step.
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.0)
     want = engine_outputs(n=2, max_tokens=24)
     received = loop_outputs(n=2, max_tokens=24, send_delay=0.02)
     assert all(isinstance(o, StepOutput) for o in received)

@@ -204,30 +204,64 @@ def test_each_steps_responses_are_sent_before_the_next_step(monkeypatch):
     assert all(sent[k] < steps[k + 1] for k in range(5))
 
 
-def test_a_stalled_sender_does_not_stall_generation(monkeypatch):
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.01)
-    release = threading.Event()
+def test_the_engine_thread_sends_a_steps_responses_itself_while_the_sender_is_idle(monkeypatch):
+    # (Two thread wake-ups a step saved; the tiny engine's steps are short, so the wait's bound is lifted.)
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_FRACTION", 1000.0)
     engine = tiny_engine()
+    sent_on = []
 
-    def stalled_send(sink, output):
-        release.wait(30)
+    def recording_send(sink, output):
+        sent_on.append(threading.current_thread().name)
         send(sink, output)
 
-    loop = EngineLoop(lambda: engine, send=stalled_send)
+    loop = EngineLoop(lambda: engine, send=recording_send)
+    loop.start()
+    try:
+        sinks = [Sink() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            sampling = SamplingParams(max_tokens=8, n=1 + i, ignore_eos=True)
+            loop.submit(engine.make_request(f"r{i}", "hello", sampling), sink)
+        assert all(sink.done.wait(30) for sink in sinks)
+        for i, sink in enumerate(sinks):
+            check_stream_invariants(sink.outputs, {f"r{i}": 1 + i})
+    finally:
+        loop.stop()
+    assert len(sent_on) == 8 * (1 + 2 + 3) and set(sent_on) == {"engine-loop"}
+
+
+def test_sends_slower_than_the_wait_go_to_the_sender_and_generation_runs_ahead(monkeypatch):
+    # A step waits for its sends a quarter of the step at most; sends that take longer must not set the
+    # pace of generation: after the first, the sender takes them and joins the steps that queue up.
+    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.01)
+    engine = tiny_engine()
+    sent_on, sent_when_generation_ended = [], []
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        if not engine.has_work():
+            sent_when_generation_ended.append(len(sent_on))
+        return outputs
+
+    engine.step = step
+
+    def slow_send(sink, output):
+        time.sleep(0.05)
+        sent_on.append(threading.current_thread().name)
+        send(sink, output)
+
+    loop = EngineLoop(lambda: engine, send=slow_send)
     loop.start()
     try:
         sink = Sink()
         loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=20, ignore_eos=True)), sink)
-        deadline = time.monotonic() + 30
-        while engine.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not engine.has_work() and not sink.outputs  # all 20 steps ran while nothing could be sent
-        release.set()
         assert sink.done.wait(30)
-        check_stream_invariants(sink.outputs, {"r": 1})
     finally:
-        release.set()
         loop.stop()
+    check_stream_invariants(sink.outputs, {"r": 1})
+    assert sum(o.num_steps for o in sink.outputs) == 20
+    assert sent_when_generation_ended[0] <= 3  # 20 steps ran while 3 responses at most went out
+    assert len(sent_on) < 20 and sent_on.count("engine-loop") <= 1
 
 
 def test_refused_requests_are_counted_as_sent_so_later_steps_do_not_wait(monkeypatch):
