@@ -10,7 +10,9 @@ A client that goes away can say so (`cancel`, by the key it submitted the reques
 sends such a message when its HTTP client disconnects); the request is aborted before the next step.
 For clients that only close their stream, a third thread asks the running requests' sinks whether their
 client went away (each question is a round trip to tritonserver, which on the engine thread would hold
-up the next step) and hands the engine thread the ids to abort.
+up the next step) and hands the engine thread the ids to abort. The requests of a client that said it
+sends cancel messages are asked only now and then, for a client that died before it could send one:
+the questions take the cores the steps use.
 
 Responses go out between steps: the next step starts once the last one's are sent (up to a quarter
 of a step, SEND_WAIT_FRACTION). Sending needs the GIL and a core; taken during a step,
@@ -68,6 +70,9 @@ SEND_TIME_WEIGHT = 0.2
 # CANCEL_POLL_S * ceil(running / CANCEL_CHECKS_PER_POLL), unless its client sent a cancel message.
 CANCEL_POLL_S = 0.05
 CANCEL_CHECKS_PER_POLL = 32
+# How often the requests of a client that sends cancel messages are asked all the same (`submit`'s
+# sends_cancel_message): a client that died mid-stream sends no message, but Triton cancels its calls.
+CANCEL_BACKSTOP_S = 1.0
 
 
 class StepTrace:
@@ -118,7 +123,7 @@ class EngineLoop(Generic[Sink]):
         self._send = send
         self._is_cancelled = is_cancelled
         self._on_stats = on_stats
-        self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None]] = queue.Queue()
+        self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None, bool]] = queue.Queue()
         # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
         self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
         self._held: StreamInterval[Sink] = StreamInterval(stream_interval)  # engine thread only
@@ -128,6 +133,7 @@ class EngineLoop(Generic[Sink]):
         # The running requests' sinks as the cancel watcher sees them (the engine thread adds and
         # removes), and the ids it found cancelled (the engine thread aborts them).
         self._watched: dict[str, Sink] = {}
+        self._backstop_only: set[str] = set()  # ids among them whose client sends cancel messages
         self._watched_lock = threading.Condition()
         # The sink the cancel watcher is asking about now. Triton frees a request's response factory once
         # its last response is sent, and asking about it after that crashed tritonserver (SIGSEGV in
@@ -136,6 +142,7 @@ class EngineLoop(Generic[Sink]):
         self._asking: Sink | None = None
         self._cancelled: queue.SimpleQueue[tuple[str, Sink]] = queue.SimpleQueue()
         self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
+        self._next_backstop = 0.0  # when a round next asks the _backstop_only ones too (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
         self._send_s = 0.0  # what a response takes to send, lately (either thread updates it)
         self._sent = threading.Condition()
@@ -160,12 +167,15 @@ class EngineLoop(Generic[Sink]):
         threads = (self._engine_thread, self._sender_thread, self._watcher_thread)
         return not self._stopping.is_set() and all(t.is_alive() for t in threads)
 
-    def submit(self, request: GenerateRequest, sink: Sink, key: str | None = None) -> None:
+    def submit(
+        self, request: GenerateRequest, sink: Sink, key: str | None = None, sends_cancel_message: bool = False
+    ) -> None:
         """Thread-safe: called from Triton's execute(). `key` (the client's id for the request) is what
-        `cancel` names it by."""
+        `cancel` names it by. `sends_cancel_message`: the client cancels a keyed request by message, so
+        whether its client went away is asked only every CANCEL_BACKSTOP_S."""
         if self._trace is not None:
             self._trace.mark("submit", request.request_id)
-        self._incoming.put((request, sink, key))
+        self._incoming.put((request, sink, key, sends_cancel_message and key is not None))
 
     def cancel(self, key: str) -> None:
         """Thread-safe: aborts the unfinished requests submitted under `key` (before the next step; each
@@ -224,6 +234,7 @@ class EngineLoop(Generic[Sink]):
         # asked about cancellation no more: that error is its last response).
         with self._watched_lock:
             self._watched.clear()
+            self._backstop_only.clear()
         self._enqueue(self._held.release_all())
         self._enqueue(
             [
@@ -240,7 +251,7 @@ class EngineLoop(Generic[Sink]):
         except queue.Empty:
             return
         while True:
-            request, sink, key = item
+            request, sink, key, by_message = item
             if self._trace is not None:
                 self._trace.mark("admit", request.request_id)
             try:
@@ -250,6 +261,8 @@ class EngineLoop(Generic[Sink]):
                     self._keys[request.request_id] = key
                 with self._watched_lock:
                     self._watched[request.request_id] = sink
+                    if by_message:
+                        self._backstop_only.add(request.request_id)
             except InvalidRequestError as e:
                 self._enqueue([(sink, RequestFailure.refused(request.request_id, e))])
             try:
@@ -285,6 +298,7 @@ class EngineLoop(Generic[Sink]):
             self._keys.pop(output.request_id, None)
             with self._watched_lock:
                 self._watched.pop(output.request_id, None)
+                self._backstop_only.discard(output.request_id)
         return sink, output
 
     def _enqueue(self, outputs: list[tuple[Sink, EngineOutput]]) -> None:
@@ -380,10 +394,16 @@ class EngineLoop(Generic[Sink]):
                 logger.exception("asking whether requests were cancelled failed")
 
     def _poll_cancellation(self) -> None:
-        """Asks the next CANCEL_CHECKS_PER_POLL running requests whether their client went away."""
+        """Asks the next CANCEL_CHECKS_PER_POLL running requests whether their client went away (those
+        whose client sends cancel messages only in a round that starts CANCEL_BACKSTOP_S after the last
+        that asked them)."""
         if not self._cancel_turn:
+            now = time.monotonic()
+            backstop = now >= self._next_backstop
+            if backstop:
+                self._next_backstop = now + CANCEL_BACKSTOP_S
             with self._watched_lock:
-                self._cancel_turn = list(self._watched)
+                self._cancel_turn = [rid for rid in self._watched if backstop or rid not in self._backstop_only]
         asked = self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
         del self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
         for request_id in asked:
@@ -401,4 +421,5 @@ class EngineLoop(Generic[Sink]):
             if cancelled:
                 with self._watched_lock:
                     self._watched.pop(request_id, None)  # asked no more
+                    self._backstop_only.discard(request_id)
                 self._cancelled.put((request_id, sink))

@@ -35,6 +35,20 @@ PROMPT_LOGPROB_OUTPUTS = (
     "prompt_top_token_texts",
 )
 
+# A request parameter (bool) of a client that sends a cancel message when it stops listening (the frontend):
+# the engine then asks whether such a request's call was cancelled only as a backstop (docs/wire-contract.md).
+SENDS_CANCEL_MESSAGE = "sends_cancel_message"
+
+
+def sends_cancel_message(request_parameters: str) -> bool:
+    """Whether a request's parameters (the JSON object python_backend's `request.parameters()` gives)
+    say that its client sends cancel messages."""
+    try:
+        parameters = json.loads(request_parameters or "{}")
+    except ValueError:
+        return False
+    return isinstance(parameters, dict) and parameters.get(SENDS_CANCEL_MESSAGE) is True
+
 
 class WireError(ValueError):
     """A response that does not follow the contract (a missing or malformed tensor)."""

@@ -14,8 +14,10 @@ tritonclient used that is not public). Step responses are decoded from the raw b
 (backend/wire.py), the health probe's with tritonclient's InferResult.
 A request whose client went away is ended twice over (docs/wire-contract.md, "Cancelling"): a cancel
 message naming its request id, which the engine acts on before its next step, and the cancelled gRPC
-call, which the engine notices when it next asks `is_cancelled()` (a few running requests every 50 ms,
-in turn: each question is a round trip), for models that know no cancel message.
+call, which the engine notices when it next asks `is_cancelled()`, for models that know no cancel
+message. Each request says that it will be cancelled by message (the `sends_cancel_message` parameter),
+so our engine asks about it only every second (each question is a round trip to tritonserver, on the
+cores the steps use), as a backstop for a frontend that died before it could send the message.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def build_request(
         request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
     _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
     request.parameters[EMPTY_FINAL].bool_param = True
+    request.parameters[wire.SENDS_CANCEL_MESSAGE].bool_param = True  # (generate's `finally`)
     return request
 
 

@@ -126,6 +126,48 @@ def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
         loop.stop()
 
 
+def test_requests_whose_client_sends_cancel_messages_are_asked_only_as_a_backstop(monkeypatch):
+    # Each question takes the cores the steps use; such a client ends its requests by message.
+    from backend.stand_in_engine import StandInEngine
+
+    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.002)
+    monkeypatch.setattr(engine_loop, "CANCEL_BACKSTOP_S", 0.25)
+    engine = StandInEngine(step_ms=5.0, max_num_seqs=8)  # requests that last until the test ends them
+    asked: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def is_cancelled(sink: Sink) -> bool:
+        with lock:
+            asked[id(sink)] = asked.get(id(sink), 0) + 1
+        return sink.cancelled
+
+    loop = EngineLoop(lambda: engine, send=send, is_cancelled=is_cancelled)
+    loop.start()
+    try:
+        by_message, polled, unkeyed = Sink(), Sink(), Sink()
+        params = SamplingParams(max_tokens=1_000_000)
+        start = time.monotonic()
+        loop.submit(engine.make_request("m", "x", params), by_message, "k-m", sends_cancel_message=True)
+        loop.submit(engine.make_request("p", "x", params), polled, "k-p")
+        # Without a key no message can name it: it is asked as often as any.
+        loop.submit(engine.make_request("u", "x", params), unkeyed, None, sends_cancel_message=True)
+        deadline = start + 30
+        while min(asked.get(id(polled), 0), asked.get(id(unkeyed), 0)) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        assert min(asked.get(id(polled), 0), asked.get(id(unkeyed), 0)) >= 40
+        assert asked.get(id(by_message), 0) <= elapsed / 0.25 + 2
+        # The backstop still finds a client that went away without a message.
+        by_message.cancelled = True
+        assert by_message.done.wait(30) and by_message.outputs[-1].finish_reason.value == "abort"
+        loop.cancel("k-p")
+        unkeyed.cancelled = True
+        assert polled.done.wait(30) and unkeyed.done.wait(30)
+        assert polled.outputs[-1].finish_reason.value == unkeyed.outputs[-1].finish_reason.value == "abort"
+    finally:
+        loop.stop()
+
+
 def test_duplicate_request_id_is_refused_with_an_error_and_others_go_on():
     engine = tiny_engine()
     loop = EngineLoop(lambda: engine, send=send)

@@ -189,6 +189,11 @@ async def test_build_request() -> None:
     sent = deserialize_bytes_tensor(request.raw_input_contents[1])[0].decode()
     assert SamplingParams.from_json(sent) == params
     assert request.parameters[EMPTY_FINAL].bool_param
+    # The engine reads its request parameters as python_backend gives them: a JSON object.
+    forwarded = json.dumps({name: p.bool_param for name, p in request.parameters.items() if name != EMPTY_FINAL})
+    assert wire.sends_cancel_message(forwarded)
+    assert not wire.sends_cancel_message("{}") and not wire.sends_cancel_message("")
+    assert not wire.sends_cancel_message('{"sends_cancel_message": "yes"}') and not wire.sends_cancel_message("[1]")
     ids = build_request("llm", [1, 2, 3], SamplingParams(), "r")
     assert (ids.inputs[0].name, ids.inputs[0].datatype, list(ids.inputs[0].shape)) == ("input_ids", "INT32", [3])
     assert np.frombuffer(ids.raw_input_contents[0], dtype=np.int32).tolist() == [1, 2, 3]

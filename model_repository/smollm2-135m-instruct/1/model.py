@@ -107,7 +107,8 @@ class TritonPythonModel:
                     continue
                 prompt, params = self._parse(request)
                 key = request.request_id() or None  # what a cancel message names it by
-                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender, key)
+                by_message = wire.sends_cancel_message(request.parameters())
+                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender, key, by_message)
             except InvalidRequestError as e:
                 self._send(sender, RequestFailure.refused(request_id, e))
             except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
@@ -174,14 +175,18 @@ class TritonPythonModel:
         self._gauges = {name: self._families[name].Metric(labels=labels) for name in _GAUGES}
         self._counters = {name: self._families[name].Metric(labels=labels) for name in _COUNTERS}
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
+        self._last_gauges: dict[str, float] = {}
 
     def _publish_stats(self, stats: EngineStats) -> None:
+        # Each set() and increment() is a round trip to tritonserver on the engine thread: only changes go.
         for name, metric in self._gauges.items():
             if name == "prefix_cache_hit_ratio":
                 value = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
             else:
                 value = getattr(stats, name)
-            metric.set(float(value))
+            if self._last_gauges.get(name) != float(value):
+                metric.set(float(value))
+                self._last_gauges[name] = float(value)
         for name, metric in self._counters.items():
             value = getattr(stats, name)
             if value > self._last_counts[name]:
