@@ -838,6 +838,50 @@ async def test_client_disconnect_cancels_engine_request(streaming: bool) -> None
     assert _metric(metrics, "frontend_requests_in_flight") == 0
 
 
+@pytest.mark.parametrize("how", ["disconnect", "outer cancel", "ends"])
+async def test_the_sse_response_closes_its_chunks_however_it_ends(how: str) -> None:
+    # A disconnect ends the response quietly; a cancel from outside (server shutdown) still propagates.
+    from openai_frontend.routers.common import sse_response
+
+    closed = asyncio.Event()
+    first_sent = asyncio.Event()
+    gone = asyncio.Event()
+
+    async def chunks():
+        try:
+            for i in range(3 if how == "ends" else 1000):
+                yield {"i": i}
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        first_sent.set()
+
+    task = asyncio.create_task(sse_response(chunks())({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
+    await asyncio.wait_for(first_sent.wait(), 5)
+    if how == "disconnect":
+        gone.set()
+        await asyncio.wait_for(task, 5)  # returns, no exception
+    elif how == "outer cancel":
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+    else:
+        await asyncio.wait_for(task, 5)
+        assert sent[-2]["body"] == b"data: [DONE]\n\n" and sent[-1]["more_body"] is False
+    assert closed.is_set()
+    bodies = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    assert 1 <= len(bodies) < 1000
+
+
 async def test_oversized_bodies_get_413_before_parsing() -> None:
     engine = FakeEngineClient()
     async with make_client(engine, Settings(max_request_bytes=4096)) as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -74,13 +75,44 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator, so a disconnect cancels at once."""
+    """A StreamingResponse that stops streaming as soon as its client disconnects (uvicorn drops what is
+    sent to a gone client and does not cancel the handler) and always closes its body iterator, so the
+    engine requests behind it are cancelled at once.
+
+    Starlette's own watches for the disconnect with an anyio task group per response, whose cancel
+    scopes cost about a quarter of a short request's Python here; a watcher task that cancels the
+    streaming one does the same.
+    """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone = finished = False
+
+        async def watch_disconnect() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:
+                gone = True
+                streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
         finally:
+            finished = True  # (from here on the watcher cancels nothing)
+            watcher.cancel()
+            if gone:  # our own cancel: taken here if still pending, so that it cannot cut the cleanup short
+                streaming.uncancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if self.background is not None:
+            await self.background()
 
 
 def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
