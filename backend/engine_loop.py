@@ -130,10 +130,10 @@ class EngineLoop(Generic[Sink]):
         self._sinks: dict[str, Sink] = {}  # engine thread only
         self._keys: dict[str, str] = {}  # request id -> the key it was submitted under (engine thread only)
         self._cancel_keys: queue.SimpleQueue[str] = queue.SimpleQueue()  # keys whose requests to abort
-        # The running requests' sinks as the cancel watcher sees them (the engine thread adds and
-        # removes), and the ids it found cancelled (the engine thread aborts them).
-        self._watched: dict[str, Sink] = {}
-        self._backstop_only: set[str] = set()  # ids among them whose client sends cancel messages
+        # The running requests' sinks as the cancel watcher sees them, each with whether its client sends
+        # cancel messages (the engine thread adds and removes), and the ids it found cancelled (the engine
+        # thread aborts them).
+        self._watched: dict[str, tuple[Sink, bool]] = {}
         self._watched_lock = threading.Condition()
         # The sink the cancel watcher is asking about now. Triton frees a request's response factory once
         # its last response is sent, and asking about it after that crashed tritonserver (SIGSEGV in
@@ -142,7 +142,7 @@ class EngineLoop(Generic[Sink]):
         self._asking: Sink | None = None
         self._cancelled: queue.SimpleQueue[tuple[str, Sink]] = queue.SimpleQueue()
         self._cancel_turn: list[str] = []  # ids still to be asked in this round (cancel-watcher thread)
-        self._next_backstop = 0.0  # when a round next asks the _backstop_only ones too (cancel-watcher thread)
+        self._next_backstop = 0.0  # when a round next asks those sending cancel messages too (cancel-watcher thread)
         self._unsent = 0  # outputs routed and not yet sent
         self._send_s = 0.0  # what a response takes to send, lately (either thread updates it)
         self._sent = threading.Condition()
@@ -234,7 +234,6 @@ class EngineLoop(Generic[Sink]):
         # asked about cancellation no more: that error is its last response).
         with self._watched_lock:
             self._watched.clear()
-            self._backstop_only.clear()
         self._enqueue(self._held.release_all())
         self._enqueue(
             [
@@ -260,9 +259,7 @@ class EngineLoop(Generic[Sink]):
                 if key is not None:
                     self._keys[request.request_id] = key
                 with self._watched_lock:
-                    self._watched[request.request_id] = sink
-                    if by_message:
-                        self._backstop_only.add(request.request_id)
+                    self._watched[request.request_id] = (sink, by_message)
             except InvalidRequestError as e:
                 self._enqueue([(sink, RequestFailure.refused(request.request_id, e))])
             try:
@@ -298,7 +295,6 @@ class EngineLoop(Generic[Sink]):
             self._keys.pop(output.request_id, None)
             with self._watched_lock:
                 self._watched.pop(output.request_id, None)
-                self._backstop_only.discard(output.request_id)
         return sink, output
 
     def _enqueue(self, outputs: list[tuple[Sink, EngineOutput]]) -> None:
@@ -403,14 +399,15 @@ class EngineLoop(Generic[Sink]):
             if backstop:
                 self._next_backstop = now + CANCEL_BACKSTOP_S
             with self._watched_lock:
-                self._cancel_turn = [rid for rid in self._watched if backstop or rid not in self._backstop_only]
+                self._cancel_turn = [rid for rid, (_, by_msg) in self._watched.items() if backstop or not by_msg]
         asked = self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
         del self._cancel_turn[:CANCEL_CHECKS_PER_POLL]
         for request_id in asked:
             with self._watched_lock:
-                sink = self._watched.get(request_id)  # (it may have ended since the round began)
-                if sink is None:
+                watched = self._watched.get(request_id)  # (it may have ended since the round began)
+                if watched is None:
                     continue
+                sink = watched[0]
                 self._asking = sink  # its last response waits for the answer (_send_request)
             try:
                 cancelled = self._is_cancelled(sink)
@@ -421,5 +418,4 @@ class EngineLoop(Generic[Sink]):
             if cancelled:
                 with self._watched_lock:
                     self._watched.pop(request_id, None)  # asked no more
-                    self._backstop_only.discard(request_id)
                 self._cancelled.put((request_id, sink))

@@ -46,6 +46,12 @@ async def require_api_key(request: Request) -> None:
         raise AuthenticationFailed("Incorrect API key provided.")
 
 
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has disconnected (uvicorn's `receive` says so after the request body)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`, cancelling it if the client disconnects first (uvicorn does not cancel handlers).
 
@@ -53,12 +59,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     ends with ClientDisconnected (status 499, sent to nobody).
     """
     task = asyncio.ensure_future(work)
-
-    async def wait_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(wait_disconnect())
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -91,8 +92,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 
         async def watch_disconnect() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await _disconnected(receive)
             if not finished:
                 gone = True
                 streaming.cancel()

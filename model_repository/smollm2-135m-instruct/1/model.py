@@ -184,9 +184,10 @@ class TritonPythonModel:
                 value = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
             else:
                 value = getattr(stats, name)
-            if self._last_gauges.get(name) != float(value):
-                metric.set(float(value))
-                self._last_gauges[name] = float(value)
+            value = float(value)
+            if self._last_gauges.get(name) != value:
+                metric.set(value)
+                self._last_gauges[name] = value
         for name, metric in self._counters.items():
             value = getattr(stats, name)
             if value > self._last_counts[name]:
