@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import uvicorn
+from openai_frontend.settings import parse_settings, set_grpc_environment
 
-from openai_frontend.app import create_app
-from openai_frontend.server_pool import ServerPool
-from openai_frontend.settings import parse_settings
-from openai_frontend.shutdown import GracefulServer
+set_grpc_environment()  # before the app's imports start gRPC
+
+import uvicorn  # noqa: E402
+
+from openai_frontend.app import create_app  # noqa: E402
+from openai_frontend.server_pool import ServerPool  # noqa: E402
+from openai_frontend.shutdown import GracefulServer  # noqa: E402
 
 
 def main() -> None:

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
+
+# grpcio's EventEngine client hands each message Triton streams through threads of its own before the
+# poller thread that wakes the event loop; with this experiment off, that poller thread reads the socket
+# itself. Every streamed token crosses that path, and each thread woken takes the cores the engine steps on
+# (docs/benchmarking.md). gRPC reads the setting once, when it starts.
+GRPC_EXPERIMENTS = "-event_engine_client"
+
+
+def set_grpc_environment(environ: MutableMapping[str, str] = os.environ) -> None:
+    """The frontend's gRPC settings, unless the user set their own: call before gRPC starts."""
+    environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
 
 @dataclass(frozen=True, slots=True)

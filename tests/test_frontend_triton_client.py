@@ -29,7 +29,7 @@ from openai_frontend.errors import (
     ModelNotFound,
     from_engine_message,
 )
-from openai_frontend.settings import Settings
+from openai_frontend.settings import GRPC_EXPERIMENTS, Settings, set_grpc_environment
 from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build_request, decode_response
 from tests.fake_engine import CHATML_TEMPLATE, scripted_steps
 
@@ -197,6 +197,15 @@ async def test_build_request() -> None:
     ids = build_request("llm", [1, 2, 3], SamplingParams(), "r")
     assert (ids.inputs[0].name, ids.inputs[0].datatype, list(ids.inputs[0].shape)) == ("input_ids", "INT32", [3])
     assert np.frombuffer(ids.raw_input_contents[0], dtype=np.int32).tolist() == [1, 2, 3]
+
+
+async def test_the_frontend_sets_its_grpc_experiments_unless_the_user_did() -> None:
+    environ: dict[str, str] = {}
+    set_grpc_environment(environ)
+    assert environ == {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS} and "-event_engine_client" in GRPC_EXPERIMENTS
+    theirs = {"GRPC_EXPERIMENTS": "event_engine_client"}
+    set_grpc_environment(theirs)
+    assert theirs == {"GRPC_EXPERIMENTS": "event_engine_client"}
 
 
 async def test_engine_error_messages() -> None:

@@ -6,6 +6,7 @@ SSE, and straight from Triton's gRPC stream as any tritonclient user reads it.""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,30 @@ async def test_grpc_clients_get_every_token_in_step_ranges(servers):
         for seq in result.by_seq().values():
             assert "".join(r.text_delta for r in seq) == TEXT * 300
     assert any(r.num_steps > 1 for result in results for r in result.responses)
+
+
+def _thread_switches(pid: int) -> dict[str, int]:
+    """Context switches (voluntary and not) per thread name of a process, from /proc."""
+    totals: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended
+        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+        totals[name] = totals.get(name, 0) + switches
+    return totals
+
+
+def test_the_frontend_reads_triton_responses_without_grpcs_event_engine_threads(servers):
+    """Each streamed token wakes the frontend's gRPC poller thread and its event loop, and no other thread
+    (openai_frontend/settings.GRPC_EXPERIMENTS): grpcio's EventEngine client would hand every message
+    through threads of its own first."""
+    _, frontend = servers
+    before = _thread_switches(frontend.proc.pid)
+    stats = asyncio.run(run_level(frontend.host, frontend.port, concurrency=1, max_tokens=200, seconds=0.5))
+    after = _thread_switches(frontend.proc.pid)
+    assert stats["exact"] == stats["streams"] >= 1, stats["errors"]
+    event_engine = after.get("event_engine", 0) - before.get("event_engine", 0)
+    assert event_engine < stats["chunks"] / 4, (event_engine, stats["chunks"], after)
