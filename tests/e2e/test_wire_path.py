@@ -68,5 +68,6 @@ def test_the_frontend_reads_triton_responses_without_grpcs_event_engine_threads(
     stats = asyncio.run(run_level(frontend.host, frontend.port, concurrency=1, max_tokens=200, seconds=0.5))
     after = _thread_switches(frontend.proc.pid)
     assert stats["exact"] == stats["streams"] >= 1, stats["errors"]
-    event_engine = after.get("event_engine", 0) - before.get("event_engine", 0)
+    assert "event_engine" in after  # (gRPC still starts them, for its timers: the test can tell them apart)
+    event_engine = after["event_engine"] - before.get("event_engine", 0)
     assert event_engine < stats["chunks"] / 4, (event_engine, stats["chunks"], after)
