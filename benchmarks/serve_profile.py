@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.serve_bench import make_prompts, run_inprocess_level, run_serving_level, summarize
@@ -34,21 +35,47 @@ from benchmarks.serve_bench import make_prompts, run_inprocess_level, run_servin
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True, slots=True)
+class ThreadStats:
+    name: str
+    tid: str
+    cpu_s: float  # utime + stime
+    voluntary_switches: int
+    involuntary_switches: int
+
+
+def process_threads(pid: int) -> list[ThreadStats]:
+    """Every thread of a process as /proc shows it now (threads that end while it is read are left out)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (task / "comm").read_text().strip()
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended
+        lines = (line.split(":") for line in status.splitlines() if "ctxt_switches" in line)
+        switches = {key: int(value) for key, value in lines}
+        out.append(
+            ThreadStats(
+                name,
+                task.name,
+                (int(fields[11]) + int(fields[12])) * TICK_S,
+                switches["voluntary_ctxt_switches"],
+                switches["nonvoluntary_ctxt_switches"],
+            )
+        )
+    return out
+
+
 def thread_cpu(pids: dict[str, int]) -> dict[tuple[str, str], list[float]]:
     """(process label, thread name/tid) -> [cpu seconds, involuntary context switches]."""
     out: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for label, pid in pids.items():
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                name = (task / "comm").read_text().strip()
-                status = (task / "status").read_text()
-            except OSError:
-                continue  # the thread ended
-            ctx = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("nonvoluntary"))
-            entry = out[(label, f"{name}/{task.name}")]  # thread name / tid
-            entry[0] += (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
-            entry[1] += ctx
+        for thread in process_threads(pid):
+            entry = out[(label, f"{thread.name}/{thread.tid}")]
+            entry[0] += thread.cpu_s
+            entry[1] += thread.involuntary_switches
     return out
 
 

@@ -6,10 +6,10 @@ SSE, and straight from Triton's gRPC stream as any tritonclient user reads it.""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
+from benchmarks.serve_profile import process_threads
 from benchmarks.wire_bench import TEXT, run_level, stand_in_repository
 from scripts.servers import DEFAULT_MODEL
 from tests.e2e.helpers import running_servers
@@ -46,16 +46,10 @@ async def test_grpc_clients_get_every_token_in_step_ranges(servers):
 
 
 def _thread_switches(pid: int) -> dict[str, int]:
-    """Context switches (voluntary and not) per thread name of a process, from /proc."""
+    """Context switches (voluntary and not) per thread name of a process."""
     totals: dict[str, int] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            name = (task / "comm").read_text().strip()
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # the thread ended
-        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
-        totals[name] = totals.get(name, 0) + switches
+    for thread in process_threads(pid):
+        totals[thread.name] = totals.get(thread.name, 0) + thread.voluntary_switches + thread.involuntary_switches
     return totals
 
 
