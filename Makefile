@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-structured perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-structured perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -52,6 +52,11 @@ bench-wire: venv
 # Where served time goes: per-step timestamps and CPU per thread, served vs in-process (concurrency 1 and 8).
 bench-profile: cpu-kernels
 	$(PY) -m benchmarks.serve_profile
+
+# An A/B of the served path: two server sets, B changed by ARGS (e.g. ARGS="--param-b stream_interval=4"
+# or ARGS="--env-b GOMP_SPINCOUNT=50000"; none: two identical sets, the method's own spread).
+bench-ab: cpu-kernels
+	$(PY) -m benchmarks.serve_ab $(ARGS)
 
 # Output tok/s at concurrency 8 with a json_schema constraint against the same load without one (same run).
 bench-structured: cpu-kernels
