@@ -18,6 +18,10 @@ usage: .venv/bin/python -m benchmarks.serve_ab --param-b stream_interval=4 --con
 
 Prints each round's output tok/s, then per level both sets' rounds, their means, B / A of the means and
 in how many rounds B was faster. The last line printed is one JSON object.
+
+Run it once with no change first: two identical sets are two processes, and processes started a minute
+apart run the same step at different speeds. On 2 cores two identical sets differed by up to 8% at one
+stream over four rounds (docs/benchmarking.md, twelfth pass), so a smaller B / A there is no evidence.
 """
 
 from __future__ import annotations
