@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend import huge_pages
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
@@ -72,6 +73,8 @@ class LLMEngine:
         model = build_model(model_cfg)
         model.load_weights(checkpoint.state_dict)
         model.to(device=device, dtype=dtype).eval()
+        if device.type == "cpu":
+            huge_pages.place_panels(model)  # after .to(), which repacks them
 
         block_bytes = kv_block_bytes(
             model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype

@@ -1,0 +1,100 @@
+"""backend/huge_pages.py: the weight panels moved into one huge-page buffer give the same bits."""
+
+import gc
+
+import pytest
+import torch
+
+from backend.attention import AttentionMetadata, allocate_kv_caches
+from backend.huge_pages import HUGE_PAGE_BYTES, PANEL_NAMES, huge_page_buffer, place_panels
+from backend.layers import Linear
+from backend.models import build_model
+from kernels import cpu_kernels
+from tests.engine_helpers import tiny_checkpoint
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels are not built here")
+
+
+def _model():
+    ck = tiny_checkpoint()
+    model = build_model(ck.config)
+    model.load_weights(ck.state_dict)
+    return model.eval()
+
+
+def _decode_logits(model, rows: int) -> torch.Tensor:
+    cfg, block, ctx = model.config, 16, 20
+    blocks = ctx // block + 1
+    kv = allocate_kv_caches(
+        cfg.num_hidden_layers, rows * blocks, block, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+    )
+    for k, v in kv:  # a context to attend to
+        k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(1)))
+        v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(2)))
+    tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks)
+    meta = AttentionMetadata(
+        slot_mapping=tables[:, ctx // block].long() * block + ctx % block,
+        num_decode_seqs=rows,
+        block_tables=tables,
+        seq_lens=torch.full((rows,), ctx + 1, dtype=torch.int32),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+    )
+    ids = torch.arange(rows) * 7 + 3
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.full((rows,), ctx, dtype=torch.int64), kv, meta))
+
+
+def _panels(model) -> list[torch.Tensor]:
+    return [
+        t for m in model.modules() if isinstance(m, Linear) for n in PANEL_NAMES if (t := getattr(m, n)) is not None
+    ]
+
+
+@needs_kernels
+def test_the_panels_move_into_one_buffer_and_the_logits_keep_their_bits(monkeypatch):
+    monkeypatch.delenv("LLM_HUGE_PAGES", raising=False)
+    model = _model()
+    before = {rows: _decode_logits(model, rows) for rows in (1, 3)}
+    old = _panels(model)
+    moved = place_panels(model)
+    new = _panels(model)
+    assert moved >= sum(t.nbytes for t in old) and len(new) == len(old)
+    storages = {t.untyped_storage().data_ptr() for t in new}
+    assert len(storages) == 1  # one buffer
+    assert min(t.data_ptr() for t in new) % HUGE_PAGE_BYTES == 0
+    assert all(t.data_ptr() % 64 == 0 for t in new)
+    assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+    del old
+    gc.collect()  # the buffer lives as long as the panels that view it
+    for rows, logits in before.items():
+        assert torch.equal(_decode_logits(model, rows), logits)
+
+
+def test_off_by_environment(monkeypatch):
+    monkeypatch.setenv("LLM_HUGE_PAGES", "0")
+    model = _model()
+    old = _panels(model)
+    assert place_panels(model) == 0
+    assert all(a is b for a, b in zip(old, _panels(model), strict=True))
+
+
+def test_the_buffer_is_advised_huge_pages():
+    buffer = huge_page_buffer(3 * HUGE_PAGE_BYTES)
+    start = buffer.data_ptr()
+    assert start % HUGE_PAGE_BYTES == 0
+    buffer.fill_(1)
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = f.read()
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this machine")
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            if lo <= start < hi:
+                fields = dict(x.split(":", 1) for x in lines[i + 1 : i + 30] if ":" in x and not x[0].isdigit())
+                assert fields["THPeligible"].strip() == "1"
+                return
+    pytest.fail("the buffer's mapping is not in /proc/self/smaps")
