@@ -73,8 +73,10 @@ class LLMEngine:
         model = build_model(model_cfg)
         model.load_weights(checkpoint.state_dict)
         model.to(device=device, dtype=dtype).eval()
-        if device.type == "cpu":
-            huge_pages.place_panels(model)  # after .to(), which repacks them
+        # After .to(), which repacks the panels. Not for a compiled decode: its graph takes the panels as
+        # inputs, and its per-layer regions refuse inputs that are views of one storage.
+        if device.type == "cpu" and not config.compile:
+            huge_pages.place_panels(model)
 
         block_bytes = kv_block_bytes(
             model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype

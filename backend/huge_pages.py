@@ -8,9 +8,11 @@ panels are 0.2-1 MB), so no allocator switch (torch's THP_MEM_ALLOC_ENABLE) puts
 One anonymous mapping, advised MADV_HUGEPAGE before any of it is written, with the panels copied in
 back to back, does. The results are the same bits; only where the bytes live changes.
 
-`LLM_HUGE_PAGES=0` leaves the panels where they are (A/B runs). Where the kernel has no transparent huge
-pages the buffer is ordinary memory. A later `Linear.repack()` (`.to()`) makes new panels of its own,
-and the buffer is then no longer read. Figures: docs/benchmarking.md (twelfth pass).
+`LLM_HUGE_PAGES=0` leaves the panels where they are (A/B runs), as does a compiled decode
+(`EngineConfig.compile`: its graph's per-layer regions refuse inputs that are views of one storage).
+Where the kernel has no transparent huge pages the buffer is ordinary memory. A later
+`Linear.repack()` (`.to()`) makes new panels of its own, and the buffer is then no longer read.
+Figures: docs/benchmarking.md (twelfth pass).
 """
 
 from __future__ import annotations
