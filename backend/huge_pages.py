@@ -44,13 +44,7 @@ def place_panels(model: nn.Module) -> int:
     returns the bytes moved (0 when off or there are no panels)."""
     if not huge_pages_on():
         return 0
-    slots = [
-        (linear, name)
-        for linear in model.modules()
-        if isinstance(linear, Linear)
-        for name in PANEL_NAMES
-        if (t := getattr(linear, name)) is not None and t.device.type == "cpu" and t.is_contiguous()
-    ]
+    slots = panel_slots(model)
     offsets, total = [], 0
     for linear, name in slots:
         total = -(-total // PANEL_ALIGN) * PANEL_ALIGN
@@ -66,6 +60,17 @@ def place_panels(model: nn.Module) -> int:
         setattr(linear, name, copy)
     logger.info("weight panels: %.0f MB in one huge-page buffer", total / 2**20)
     return total
+
+
+def panel_slots(model: nn.Module) -> list[tuple[Linear, str]]:
+    """(Linear, attribute name) of every CPU, contiguous panels tensor in the model, in module order."""
+    return [
+        (linear, name)
+        for linear in model.modules()
+        if isinstance(linear, Linear)
+        for name in PANEL_NAMES
+        if (t := getattr(linear, name)) is not None and t.device.type == "cpu" and t.is_contiguous()
+    ]
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:

@@ -16,17 +16,9 @@ from backend.models import build_model
 from kernels import cpu_kernels
 
 
-def main(threads: int, B: int, ctx: int = 128, BS: int = 16) -> None:
-    torch.set_num_threads(threads)
-    cpu_kernels.load()
-    t = time.perf_counter()
-    c = load_checkpoint("smollm2")
-    t_load = time.perf_counter() - t
-    t = time.perf_counter()
-    m = build_model(c.config)
-    m.load_weights(c.state_dict)
-    t_build = time.perf_counter() - t
-    cfg = c.config
+def decode_batch(cfg, B: int, ctx: int, BS: int = 16):
+    """A decode step's inputs for B sequences of `ctx` cached tokens each, in blocks of BS:
+    (KV caches, positions (B,), AttentionMetadata). Each sequence owns its own ctx // BS + 1 blocks."""
     nb = ctx // BS + 1
     kv = allocate_kv_caches(cfg.num_hidden_layers, B * nb, BS, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
     tables = torch.arange(B * nb, dtype=torch.int32).view(B, nb)
@@ -38,6 +30,21 @@ def main(threads: int, B: int, ctx: int = 128, BS: int = 16) -> None:
         seq_lens=torch.full((B,), ctx + 1, dtype=torch.int32),
         query_start_loc=torch.arange(B + 1, dtype=torch.int32),
     )
+    return kv, pos, meta
+
+
+def main(threads: int, B: int, ctx: int = 128, BS: int = 16) -> None:
+    torch.set_num_threads(threads)
+    cpu_kernels.load()
+    t = time.perf_counter()
+    c = load_checkpoint("smollm2")
+    t_load = time.perf_counter() - t
+    t = time.perf_counter()
+    m = build_model(c.config)
+    m.load_weights(c.state_dict)
+    t_build = time.perf_counter() - t
+    cfg = c.config
+    kv, pos, meta = decode_batch(cfg, B, ctx, BS)
     x = torch.randint(0, cfg.vocab_size, (B,))
     times = []
     with torch.inference_mode():

@@ -5,10 +5,9 @@ import gc
 import pytest
 import torch
 
-from backend.attention import AttentionMetadata, allocate_kv_caches
-from backend.huge_pages import HUGE_PAGE_BYTES, PANEL_NAMES, huge_page_buffer, place_panels
-from backend.layers import Linear
+from backend.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, panel_slots, place_panels
 from backend.models import build_model
+from benchmarks.model_step import decode_batch
 from kernels import cpu_kernels
 from tests.engine_helpers import tiny_checkpoint
 
@@ -23,31 +22,17 @@ def _model():
 
 
 def _decode_logits(model, rows: int) -> torch.Tensor:
-    cfg, block, ctx = model.config, 16, 20
-    blocks = ctx // block + 1
-    kv = allocate_kv_caches(
-        cfg.num_hidden_layers, rows * blocks, block, cfg.num_key_value_heads, cfg.head_dim, torch.float32
-    )
+    kv, positions, meta = decode_batch(model.config, rows, ctx=20)
     for k, v in kv:  # a context to attend to
         k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(1)))
         v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(2)))
-    tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks)
-    meta = AttentionMetadata(
-        slot_mapping=tables[:, ctx // block].long() * block + ctx % block,
-        num_decode_seqs=rows,
-        block_tables=tables,
-        seq_lens=torch.full((rows,), ctx + 1, dtype=torch.int32),
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-    )
     ids = torch.arange(rows) * 7 + 3
     with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.full((rows,), ctx, dtype=torch.int64), kv, meta))
+        return model.compute_logits(model(ids, positions, kv, meta))
 
 
 def _panels(model) -> list[torch.Tensor]:
-    return [
-        t for m in model.modules() if isinstance(m, Linear) for n in PANEL_NAMES if (t := getattr(m, n)) is not None
-    ]
+    return [getattr(linear, name) for linear, name in panel_slots(model)]
 
 
 @needs_kernels
