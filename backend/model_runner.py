@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend import huge_pages
 from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.models import CausalLM
 from backend.sampler import SampledToken, Sampler, SamplingRow, TokenScore, make_generator, score_tokens
@@ -61,9 +62,12 @@ class ModelRunner:
         # (layers) x [(num_blocks + 1, block_size, kv_heads, head_dim) K, same V]. The extra last
         # block is the null block: the block manager never hands it out, so it stays zero and
         # padded context positions can read it instead of being masked.
-        self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
-        )
+        kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # On CPU in one huge-page buffer (backend/huge_pages.py); not for a compiled decode, as the panels.
+        kv_caches = None
+        if device.type == "cpu" and not compile_decode:
+            kv_caches = huge_pages.kv_caches(cfg.num_hidden_layers, kv_shape, dtype)
+        self.kv_caches = kv_caches or allocate_kv_caches(cfg.num_hidden_layers, *kv_shape, dtype, device)
         self.zero_slot = num_blocks * block_size
         self.decode_forward = None  # compiled_decode.DecodeForward when compile_decode
         # inference_mode is the cheaper mode in eager; the compiled graph needs no_grad (see compiled_decode).

@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from backend.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, panel_slots, place_panels
+from backend.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, kv_caches, panel_slots, place_panels
 from backend.models import build_model
 from benchmarks.model_step import decode_batch
 from kernels import cpu_kernels
@@ -83,3 +83,48 @@ def test_the_buffer_is_advised_huge_pages():
                 assert fields["THPeligible"].strip() == "1"
                 return
     pytest.fail("the buffer's mapping is not in /proc/self/smaps")
+
+
+def test_kv_caches_are_zeroed_views_of_one_buffer(monkeypatch):
+    monkeypatch.delenv("LLM_HUGE_PAGES", raising=False)
+    shape = (5, 4, 2, 8)  # (blocks, block_size, kv_heads, head_dim)
+    caches = kv_caches(3, shape, torch.float32)
+    assert len(caches) == 3
+    tensors = [t for pair in caches for t in pair]
+    assert all(t.shape == shape and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    assert all(torch.count_nonzero(t) == 0 for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert tensors[0].data_ptr() % HUGE_PAGE_BYTES == 0
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # no two overlap
+    tensors[1].fill_(1.0)  # writing one layer's V leaves every other cache zero
+    assert all(torch.count_nonzero(t) == 0 for t in tensors if t is not tensors[1])
+
+
+def test_kv_caches_off_by_environment(monkeypatch):
+    monkeypatch.setenv("LLM_HUGE_PAGES", "0")
+    assert kv_caches(2, (3, 4, 1, 8), torch.float32) is None
+
+
+@needs_kernels
+def test_an_engine_on_huge_pages_generates_what_it_generates_without(monkeypatch):
+    from backend.types import SamplingParams, StepOutput
+    from tests.engine_helpers import run_to_completion, tiny_engine
+
+    def run(flag: str) -> tuple[dict[str, list[int]], bool]:
+        monkeypatch.setenv("LLM_HUGE_PAGES", flag)
+        engine = tiny_engine()
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(([1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45)))):
+            engine.add_request(engine.make_request(f"r{i}", prompt, params))
+        tokens: dict[str, list[int]] = {}
+        for out in run_to_completion(engine):
+            assert isinstance(out, StepOutput)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        caches = [t for pair in engine.runner.kv_caches for t in pair]
+        return tokens, len({t.untyped_storage().data_ptr() for t in caches}) == 1
+
+    on, on_one_buffer = run("1")
+    off, off_one_buffer = run("0")
+    assert on == off and all(len(t) == 12 for t in on.values())
+    assert on_one_buffer and not off_one_buffer
