@@ -73,9 +73,7 @@ class LLMEngine:
         model = build_model(model_cfg)
         model.load_weights(checkpoint.state_dict)
         model.to(device=device, dtype=dtype).eval()
-        # After .to(), which repacks the panels. Not for a compiled decode: its graph takes the panels as
-        # inputs, and its per-layer regions refuse inputs that are views of one storage.
-        if device.type == "cpu" and not config.compile:
+        if huge_pages.suits(device, config.compile):  # after .to(), which repacks the panels
             huge_pages.place_panels(model)
 
         block_bytes = kv_block_bytes(

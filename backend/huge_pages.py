@@ -37,6 +37,12 @@ CACHE_LINE = 64  # each tensor in a buffer starts on one
 PANEL_NAMES = ("panels", "quant_panels")
 
 
+def suits(device: torch.device, compiled: bool) -> bool:
+    """Whether an engine on `device` places its panels and KV cache here: on CPU, and not for a compiled
+    decode, whose graph takes both as inputs and whose per-layer regions refuse views of one storage."""
+    return device.type == "cpu" and not compiled
+
+
 def huge_pages_on() -> bool:
     """LLM_HUGE_PAGES is not 0 (read at each call) and this Python can advise huge pages."""
     return os.environ.get("LLM_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
@@ -116,5 +122,5 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     except OSError as e:  # a kernel built without transparent huge pages
-        logger.info("no transparent huge pages for the weight panels: %s", e)
+        logger.info("no transparent huge pages for this buffer: %s", e)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)

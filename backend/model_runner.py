@@ -63,9 +63,8 @@ class ModelRunner:
         # block is the null block: the block manager never hands it out, so it stays zero and
         # padded context positions can read it instead of being masked.
         kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # On CPU in one huge-page buffer (backend/huge_pages.py); not for a compiled decode, as the panels.
         kv_caches = None
-        if device.type == "cpu" and not compile_decode:
+        if huge_pages.suits(device, compile_decode):
             kv_caches = huge_pages.kv_caches(cfg.num_hidden_layers, kv_shape, dtype)
         self.kv_caches = kv_caches or allocate_kv_caches(cfg.num_hidden_layers, *kv_shape, dtype, device)
         self.zero_slot = num_blocks * block_size

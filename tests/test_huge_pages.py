@@ -1,4 +1,4 @@
-"""backend/huge_pages.py: the weight panels moved into one huge-page buffer give the same bits."""
+"""backend/huge_pages.py: the weight panels and the KV cache in huge-page buffers give the same bits."""
 
 import gc
 
