@@ -10,8 +10,8 @@ before anyone renders it (invariants 2 and 3 of docs/contract.md):
 A violation raises StreamIntegrityError and counts in the integrity metric; the caller ends the
 stream with an error, so a corrupted text is never sent.
 
-Closing the `events()` iterator early (client gone, a violation, an error) cancels the producer
-tasks, which closes each engine stream and so cancels the Triton requests.
+Closing the `events()` iterator early (client gone, a violation, an error) closes each engine stream
+(for several prompts by cancelling the tasks that read them) and so cancels the Triton requests.
 """
 
 from __future__ import annotations
@@ -92,10 +92,29 @@ class Generation:
         return Usage(sum(self._prompt_tokens.values()), self._completion_tokens)
 
     async def events(self) -> AsyncIterator[tuple[int, StepOutput]]:
-        queue: asyncio.Queue[_Output | _End | _Failed] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._produce(p, prompt, queue)) for p, prompt in enumerate(self.prompts)]
         self.metrics.requests_in_flight.inc()
         self.metrics.in_flight += 1
+        try:
+            if len(self.prompts) == 1:
+                # One engine request (most are): read here, without a producer task and a queue, whose
+                # hand-off would cost every token a task switch.
+                async with aclosing(self._engine_outputs(0, self.prompts[0])) as outputs:
+                    async for out in outputs:
+                        self._check(0, out)
+                        yield 0, out
+                self._check_all_finished(0)
+            else:
+                async with aclosing(self._merged()) as merged:
+                    async for item in merged:
+                        yield item
+        finally:
+            self.metrics.requests_in_flight.dec()
+            self.metrics.in_flight -= 1
+
+    async def _merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Every prompt's engine request read by a task of its own, their outputs merged as they come."""
+        queue: asyncio.Queue[_Output | _End | _Failed] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._produce(p, prompt, queue)) for p, prompt in enumerate(self.prompts)]
         try:
             running = len(tasks)
             while running:
@@ -109,8 +128,6 @@ class Generation:
                 self._check(item.prompt_index, item.out)
                 yield item.prompt_index, item.out
         finally:
-            self.metrics.requests_in_flight.dec()
-            self.metrics.in_flight -= 1
             for task in tasks:
                 task.cancel()
             # Under a cancelled anyio scope (Starlette on disconnect) this await may be interrupted;
@@ -118,22 +135,31 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _produce(self, p: int, prompt: str | tuple[int, ...], queue: asyncio.Queue) -> None:
+        try:
+            async with aclosing(self._engine_outputs(p, prompt)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait(_Output(p, out))
+            queue.put_nowait(_End(p))
+        except FrontendError as e:
+            queue.put_nowait(_Failed(e))
+
+    async def _engine_outputs(self, p: int, prompt: str | tuple[int, ...]) -> AsyncIterator[StepOutput]:
+        """Prompt p's engine request, until all its sequences finished; any failure as a FrontendError."""
         engine_prompt = prompt if isinstance(prompt, str) else list(prompt)
         finished: set[int] = set()
         try:
             stream = self.engine.generate(self.model, engine_prompt, self.params, f"{self.request_id}-{p}")
             async with aclosing(stream):
                 async for out in stream:
-                    queue.put_nowait(_Output(p, out))
+                    yield out
                     if out.finish_reason is not None:
                         finished.add(out.seq_index)
                         if len(finished) == self.params.n:
-                            break  # all sequences done: do not wait on the engine for more
-            queue.put_nowait(_End(p))
-        except FrontendError as e:
-            queue.put_nowait(_Failed(e))
+                            return  # all sequences done: do not wait on the engine for more
+        except FrontendError:
+            raise
         except Exception as e:  # noqa: BLE001 - a bug in a client must end the request, not hang it
-            queue.put_nowait(_Failed(EngineFailure(f"engine client failed: {type(e).__name__}: {e}")))
+            raise EngineFailure(f"engine client failed: {type(e).__name__}: {e}") from None
 
     # -- checks ----------------------------------------------------------------------------------
 
