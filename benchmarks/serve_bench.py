@@ -59,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import sse_client
 from benchmarks.sse_client import SSEConnection, post_request, timed_events
 from scripts.perf_tools import percentile
 
@@ -366,13 +367,13 @@ def warm_up_serving(args, tokenizer, base_url: str, structured: bool) -> None:
     """Not measured: the first requests of a fresh server (and the schema's compilation)."""
     chat = args.endpoint == "chat"
     warm = make_prompts(tokenizer, 2, 16, seed=args.seed + 1000)
-    asyncio.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))
+    sse_client.run(run_serving_level(base_url, args.model, warm, 4, 2, chat))
     if structured:  # compiled grammars are cached by schema
-        asyncio.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
+        sse_client.run(run_serving_level(base_url, args.model, warm[:1], 4, 1, chat, STRUCTURED_BODY))
 
 
 def serve_level(args, base_url: str, prompts: list[str], c: int, extra_body: dict | None = None) -> list[RequestRecord]:
-    return asyncio.run(
+    return sse_client.run(
         run_serving_level(base_url, args.model, prompts, args.max_tokens, c, args.endpoint == "chat", extra_body)
     )
 

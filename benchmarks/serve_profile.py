@@ -17,7 +17,6 @@ The last line is one JSON object. Figures and what they showed: docs/benchmarkin
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import sse_client
 from benchmarks.serve_bench import make_prompts, run_inprocess_level, run_serving_level, summarize
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -223,11 +223,11 @@ def main() -> None:
                 for label, pid in pids.items():
                     for task in Path(f"/proc/{pid}/task").glob("*") if label != "stub" else ():
                         os.setpriority(os.PRIO_PROCESS, int(task.name), args.renice)
-            asyncio.run(run_serving_level(base, "smollm2-135m-instruct", make_prompts(tok, 2, 16, 99), 4, 2, False))
+            sse_client.run(run_serving_level(base, "smollm2-135m-instruct", make_prompts(tok, 2, 16, 99), 4, 2, False))
             for c in args.concurrency:
                 time.sleep(0.5)  # the warm-up's (or last level's) trace is flushed at idle
                 since, before = time.perf_counter(), thread_cpu(pids)
-                records = asyncio.run(
+                records = sse_client.run(
                     run_serving_level(base, "smollm2-135m-instruct", prompts[c], args.max_tokens, c, False)
                 )
                 delta = cpu_delta(before, thread_cpu(pids))

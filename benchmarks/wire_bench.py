@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from backend.stand_in_engine import TOKEN_TEXT as TEXT
+from benchmarks import sse_client
 from benchmarks.serve_profile import (
     PySpy,
     cpu_delta,
@@ -109,7 +110,7 @@ def run_and_report(c: int, args: argparse.Namespace, frontend, pids: dict[str, i
     before, since = thread_cpu(pids), time.perf_counter()
     profiled = {k: pids[k] for k in ("stub", "frontend")}
     spy = PySpy(profiled, args.seconds / 3, args.seconds / 3, scratch) if args.py_spy else None
-    stats = asyncio.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
+    stats = sse_client.run(run_level(frontend.host, frontend.port, c, args.max_tokens, args.seconds))
     delta = cpu_delta(before, thread_cpu(pids))
     tokens = max(stats["tokens"], 1)
     cpu = cpu_per_process(delta)
@@ -166,7 +167,7 @@ def main() -> None:
             triton, frontend = servers
             pids = {"stub": next(iter(stub_processes(triton.proc.pid))), "tritonserver": triton.proc.pid,
                     "frontend": frontend.proc.pid, "client": os.getpid()}  # fmt: skip
-            asyncio.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
+            sse_client.run(run_level(frontend.host, frontend.port, 4, 8, 0.5))  # warm-up
             for c in args.concurrency:
                 report["levels"][c] = run_and_report(c, args, frontend, pids, scratch)
     finally:
