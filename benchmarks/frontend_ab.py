@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -70,22 +69,6 @@ def checkout(ref: str | None) -> Iterator[Path]:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO_ROOT, check=False)
 
 
-def start_frontend(triton_url: str, tree: Path, env: dict[str, str], log: Path):
-    """The frontend of `tree` (its openai_frontend and backend packages), on a free port."""
-    import scripts.servers as servers
-
-    frontend = servers.Frontend(triton_url, port=servers.free_port())
-    saved_root, saved_env = servers.REPO_ROOT, dict(os.environ)
-    servers.REPO_ROOT = tree  # the frontend's working directory, so `python -m openai_frontend` is that tree's
-    os.environ.update(env)
-    try:
-        return frontend.start(log_path=log)
-    finally:
-        servers.REPO_ROOT = saved_root
-        os.environ.clear()
-        os.environ.update(saved_env)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="the git revision B runs (default: this tree)")
@@ -105,7 +88,7 @@ def main() -> None:
     import torch
 
     from backend.checkpoint import load_checkpoint
-    from scripts.servers import REPO_ROOT, TritonServer, free_port
+    from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
 
     tokenizer = load_checkpoint("smollm2", dtype=torch.float32).tokenizer
     salt = random.SystemRandom().randrange(2**31)
@@ -121,7 +104,8 @@ def main() -> None:
         stack.callback(triton.stop)
         frontends = {}
         for s, tree in zip(SIDES, (REPO_ROOT, base), strict=True):
-            frontends[s] = start_frontend(triton.grpc_url, tree, env[s], logs / f"frontend-ab-{s}.log")
+            frontends[s] = Frontend(triton.grpc_url, port=free_port(), extra_env=env[s], tree=tree)
+            frontends[s].start(log_path=logs / f"frontend-ab-{s}.log")
             stack.callback(frontends[s].stop)
             warm_up_serving(args, tokenizer, frontends[s].url, structured=False)
         for pair in range(args.pairs):

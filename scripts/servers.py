@@ -113,12 +113,12 @@ class _Process:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path | None) -> None:
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path | None, cwd: Path = REPO_ROOT) -> None:
         self.log_path = log_path
         out = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed by the child's exit)
         # A new session, so Ctrl-C in `make serve` reaches us first and we stop children in order.
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, cwd=REPO_ROOT
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, cwd=cwd
         )
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -307,11 +307,19 @@ class Frontend(_Process):
     name = "openai frontend"
 
     def __init__(
-        self, triton_grpc_url: str, port: int = 9000, host: str = "127.0.0.1", extra_args: list[str] | None = None
+        self,
+        triton_grpc_url: str,
+        port: int = 9000,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
+        tree: Path = REPO_ROOT,
     ) -> None:
         super().__init__()
         self.triton_grpc_url, self.port, self.host = triton_grpc_url, port, host
         self.extra_args = extra_args or []
+        self.extra_env = extra_env or {}
+        self.tree = tree  # the checkout whose openai_frontend runs (benchmarks/frontend_ab.py: another revision)
 
     @property
     def url(self) -> str:
@@ -330,7 +338,7 @@ class Frontend(_Process):
             str(self.port),
             *self.extra_args,
         ]
-        self._spawn(cmd, dict(os.environ), log_path)
+        self._spawn(cmd, dict(os.environ, **self.extra_env), log_path, cwd=self.tree)
         self.wait_ready(f"{self.url}/health/ready", timeout)
         return self
 
