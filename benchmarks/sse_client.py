@@ -5,8 +5,8 @@ cost as little as it can: a client that parses every SSE event as it arrives (ht
 spends more CPU per token than the frontend itself, and that CPU is taken from the servers. This one
 keeps each piece that arrives with the time it came and parses a response once it has ended: every
 SSE event then gets the arrival time of its last byte, which is when a client that parsed as it went
-would have seen it. `run` runs a client on uvloop: libuv's loop takes about a quarter less CPU per
-arriving event than asyncio's own (docs/benchmarking.md, fourteenth pass).
+would have seen it. `run` runs a client on uvloop, whose loop takes less CPU per arriving event than
+asyncio's own (figures: docs/benchmarking.md, fourteenth pass).
 """
 
 from __future__ import annotations
