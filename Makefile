@@ -43,7 +43,7 @@ bench-engine: cpu-kernels
 	$(PY) benchmarks/engine_bench.py --compile
 
 bench-serve: cpu-kernels
-	$(PY) benchmarks/serve_bench.py
+	$(PY) benchmarks/serve_bench.py $(ARGS)
 
 # The response path alone: real tritonserver + frontend, a stand-in engine (no model), 64/256/1024 streams.
 bench-wire: venv

@@ -49,7 +49,9 @@ import contextlib
 import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from collections import defaultdict
@@ -61,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sse_client
 from benchmarks.sse_client import SSEConnection, post_request, timed_events
+from scripts import perf_tools
 from scripts.perf_tools import percentile
 
 # Common English words; those that are one token with a leading space make the prompts, so each
@@ -324,11 +327,11 @@ def serving_checks(records: list[RequestRecord], tokenizer, max_tokens: int, pro
 
 
 @contextlib.contextmanager
-def frontend_url(args) -> Iterator[tuple[str, dict[str, int]]]:
-    """The frontend to load and the pids of the servers behind it: --url (no pids), or our own
-    tritonserver and frontend on free ports, stopped on exit."""
+def frontend_url(args) -> Iterator[tuple[str, dict[str, int], str]]:
+    """The frontend to load, the pids of the servers behind it and tritonserver's gRPC host:port: --url
+    (no pids; --triton-url), or our own tritonserver and frontend on free ports, stopped on exit."""
     if args.url is not None:
-        yield args.url.rstrip("/").removesuffix("/v1"), {}
+        yield args.url.rstrip("/").removesuffix("/v1"), {}, args.triton_url or perf_tools.triton_grpc_url()
         return
     from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
 
@@ -345,7 +348,7 @@ def frontend_url(args) -> Iterator[tuple[str, dict[str, int]]]:
     pids = {"tritonserver": triton.proc.pid, "frontend": frontend.proc.pid}
     pids.update({f"stub {pid}": pid for pid in stub_processes(triton.proc.pid)})
     try:
-        yield frontend.url.rstrip("/").removesuffix("/v1"), pids
+        yield frontend.url.rstrip("/").removesuffix("/v1"), pids, triton.grpc_url
     finally:
         frontend.stop()
         triton.stop()
@@ -376,6 +379,31 @@ def serve_level(args, base_url: str, prompts: list[str], c: int, extra_body: dic
     return sse_client.run(
         run_serving_level(base_url, args.model, prompts, args.max_tokens, c, args.endpoint == "chat", extra_body)
     )
+
+
+def perf_analyzer_level(args, grpc_url: str, engine_prompts: list[str], c: int, work_dir: Path) -> list[RequestRecord]:
+    """The level through perf_analyzer --streaming straight on tritonserver (Triton's C++ client, no
+    frontend, no HTTP): each prompt once, as the text the engine gets, `c` at a time."""
+    params = json.dumps({"max_tokens": args.max_tokens, "ignore_eos": True})
+    input_data = work_dir / f"input_c{c}.json"
+    # Given c prompts more than it sends: one it sent past the count must not find its prompt cached.
+    data = [{"text_input": [p], "sampling_params": [params]} for p in engine_prompts]
+    input_data.write_text(json.dumps({"data": data}))
+    export = work_dir / f"export_c{c}.json"
+    cmd = perf_tools.perf_analyzer_command(args.model, grpc_url, c, len(engine_prompts) - c, input_data, export)
+    export.unlink(missing_ok=True)  # (perf_analyzer refuses to overwrite one)
+    result = subprocess.run(cmd, env=perf_tools.tools_env(), capture_output=True, text=True, check=False)
+    # (Not retried on an empty export, which perf_analyzer 2.50 left once in many runs: a second run would
+    # find its prompts cached.)
+    if result.returncode != 0 or not export.is_file() or export.stat().st_size == 0:
+        raise RuntimeError(f"perf_analyzer failed at concurrency {c}:\n{result.stdout}{result.stderr}")
+    ((_, requests),) = perf_tools.exported_requests(export)
+    return [
+        RequestRecord(
+            sent=r.sent_ns / 1e9, first=r.responses_ns[0] / 1e9, last=r.responses_ns[-1] / 1e9, tokens=r.tokens
+        )
+        for r in requests
+    ]
 
 
 # ------------------------------------------------------------------------------------------ in-process
@@ -511,6 +539,16 @@ def main() -> None:
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-inprocess", action="store_true")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers generate")
+    parser.add_argument(
+        "--perf-analyzer",
+        action="store_true",
+        help="each round also runs every level through perf_analyzer straight on tritonserver (Triton's C++ "
+        "client: no frontend, no HTTP) on prompts of its own, and prints its ratio to in-process (the tools "
+        "are installed into .tools/ on first use)",
+    )
+    parser.add_argument(
+        "--triton-url", help="with --url and --perf-analyzer: tritonserver's gRPC host:port (default 127.0.0.1:8001)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -532,27 +570,35 @@ def main() -> None:
         flush=True,
     )
 
-    def prompts(c: int, k: int, r: int, offset: int = 0) -> list[str]:
+    def prompts(c: int, k: int, r: int, offset: int = 0, spare: int = 0) -> list[str]:
         seed = args.seed + offset + k + 1000 * r
-        return make_prompts(
-            tok, args.requests or default_requests(c), args.prompt_tokens, seed, None if salt is None else salt + seed
-        )
+        count = (args.requests or default_requests(c)) + spare
+        return make_prompts(tok, count, args.prompt_tokens, seed, None if salt is None else salt + seed)
+
+    def engine_texts(texts: list[str]) -> list[str]:
+        """What the frontend hands the engine for these prompts."""
+        return [chat_prompt_text(tok, t) for t in texts] if args.endpoint == "chat" else texts
 
     def engine_ids(texts: list[str]) -> list[list[int]]:
-        if args.endpoint == "chat":
-            texts = [chat_prompt_text(tok, t) for t in texts]
-        return [tok.encode(t) for t in texts]
+        return [tok.encode(t) for t in engine_texts(texts)]
 
     levels = args.concurrency
     serving_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
     constrained_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
     inproc_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
+    triton_runs: dict[int, list[list[RequestRecord]]] = defaultdict(list)
     expected_prompt_tokens: set[int] = set()
     idle_servers_cpu_s = inproc_s = 0.0
     with contextlib.ExitStack() as stack:
-        base_url, server_pids = (None, {}) if args.skip_serving else stack.enter_context(frontend_url(args))
+        base_url, server_pids, grpc_url = (
+            (None, {}, None) if args.skip_serving else stack.enter_context(frontend_url(args))
+        )
         if base_url is not None:
             warm_up_serving(args, tok, base_url, args.structured)
+        pa_dir = None
+        if args.perf_analyzer and grpc_url is not None:
+            perf_tools.install(tokenizer=False)
+            pa_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_bench_pa_")))
         engine = None if args.skip_inprocess else inprocess_engine(checkpoint, args.seed)
         for r in range(args.rounds):
             for k, c in enumerate(levels):
@@ -578,6 +624,11 @@ def main() -> None:
                     if base_url is not None:
                         ratio = summarize(c, serving_runs[c][-1]).output_tok_s / summarize(c, records).output_tok_s
                         line += f": ratio {ratio:.2f}"
+                if pa_dir is not None:  # fresh prompts (and c spare ones): none of them is cached
+                    texts = prompts(c, k, r, offset=700, spare=c)
+                    records = perf_analyzer_level(args, grpc_url, engine_texts(texts), c, pa_dir)
+                    triton_runs[c].append(records)
+                    line += f"; perf_analyzer {summarize(c, records).output_tok_s:.1f} tok/s"
                 print(line, flush=True)
     del engine
 
@@ -591,6 +642,7 @@ def main() -> None:
     serving = pooled(serving_runs, "serving")
     constrained = pooled(constrained_runs, "json_schema")
     inproc = pooled(inproc_runs, "in-process")
+    triton = pooled(triton_runs, "perf_analyzer")
     for c, runs in serving_runs.items():
         serving[c].extra = serving_checks([r for rs in runs for r in rs], tok, args.max_tokens, expected_prompt_tokens)
     for c, runs in constrained_runs.items():
@@ -615,6 +667,10 @@ def main() -> None:
     }
     for c, values in by_round.items():
         print(f"c={c}: serving / in-process by round: " + ", ".join(f"{v:.2f}" for v in values))
+    triton_ratios = print_ratios(("perf_analyzer", "in-process"), triton, inproc)
+    for c in triton_ratios:
+        if c in serving:
+            print(f"c={c}: serving / perf_analyzer {serving[c].output_tok_s / triton[c].output_tok_s:.2f}")
     peer_ratios = {c: serving[c].output_tok_s / peer[c] for c in serving if c in peer}
     for c, ratio in peer_ratios.items():
         print(f"c={c}: serving {serving[c].output_tok_s:.1f} tok/s / transformers {peer[c]:.1f} = {ratio:.2f}x")
@@ -644,6 +700,8 @@ def main() -> None:
                 "ratio": {str(c): round(v, 3) for c, v in ratios.items()},
                 "ratio_by_round": {str(c): [round(v, 3) for v in vs] for c, vs in by_round.items()},
                 "ratio_c8": round(ratios[8], 3) if 8 in ratios else None,
+                "perf_analyzer": {str(c): level_dict(r) for c, r in triton.items()},
+                "perf_analyzer_ratio": {str(c): round(v, 3) for c, v in triton_ratios.items()},
                 "idle_servers_cpu_ms_per_s_during_inprocess": None
                 if idle_ms_per_s is None
                 else round(idle_ms_per_s, 2),

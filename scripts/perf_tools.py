@@ -34,6 +34,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -345,33 +346,51 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize_pa_export(path: Path) -> list[dict]:
-    """One row per experiment of a perf_analyzer profile export of the Triton model.
+@dataclass(frozen=True)
+class ExportedRequest:
+    """One request of a perf_analyzer profile export: when it was sent and when each of its responses
+    came (ns, perf_analyzer's clock), and its output tokens (the final response's num_output_tokens)."""
 
-    Per request: TTFT = first response - send; ITL = (last - first response) / (tokens - 1);
-    tokens = the final response's num_output_tokens (the model's own count). Throughput over the
-    span from the first send to the last response."""
+    sent_ns: int
+    responses_ns: tuple[int, ...]
+    tokens: int
+
+
+def exported_requests(path: Path) -> list[tuple[int, list[ExportedRequest]]]:
+    """(concurrency, its requests that got a response) per experiment of a perf_analyzer profile export."""
     data = json.loads(path.read_text())
-    rows = []
+    experiments = []
     for exp in data["experiments"]:
-        ttft, itl, latency, tokens = [], [], [], []
-        start, end = float("inf"), 0
+        requests = []
         for r in exp["requests"]:
             ts = r["response_timestamps"]
             if not ts:
                 continue
             outs = r.get("response_outputs") or []
             n = int(outs[-1].get("num_output_tokens", len(ts))) if outs else len(ts)
-            tokens.append(n)
-            ttft.append((ts[0] - r["timestamp"]) / 1e6)
-            latency.append((ts[-1] - r["timestamp"]) / 1e6)
-            if n > 1:
-                itl.append((ts[-1] - ts[0]) / 1e6 / (n - 1))
-            start, end = min(start, r["timestamp"]), max(end, ts[-1])
+            requests.append(ExportedRequest(r["timestamp"], tuple(ts), n))
+        experiments.append((exp["experiment"]["value"], requests))
+    return experiments
+
+
+def summarize_pa_export(path: Path) -> list[dict]:
+    """One row per experiment of a perf_analyzer profile export of the Triton model.
+
+    Per request: TTFT = first response - send; ITL = (last - first response) / (tokens - 1);
+    tokens = the final response's num_output_tokens (the model's own count). Throughput over the
+    span from the first send to the last response."""
+    rows = []
+    for concurrency, requests in exported_requests(path):
+        ttft = [(r.responses_ns[0] - r.sent_ns) / 1e6 for r in requests]
+        latency = [(r.responses_ns[-1] - r.sent_ns) / 1e6 for r in requests]
+        itl = [(r.responses_ns[-1] - r.responses_ns[0]) / 1e6 / (r.tokens - 1) for r in requests if r.tokens > 1]
+        tokens = [r.tokens for r in requests]
+        start = min((r.sent_ns for r in requests), default=0)
+        end = max((r.responses_ns[-1] for r in requests), default=0)
         span = (end - start) / 1e9 if tokens else float("nan")
         rows.append(
             {
-                "concurrency": exp["experiment"]["value"],
+                "concurrency": concurrency,
                 "requests": len(tokens),
                 "request_throughput": len(tokens) / span,
                 "output_token_throughput": sum(tokens) / span,
