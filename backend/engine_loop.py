@@ -44,11 +44,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from backend.coalescing import PendingResponses, StreamInterval
-from backend.engine import EngineStats, LLMEngine
 from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, StepOutput
+
+if TYPE_CHECKING:  # (no torch at import: model.py places the engine's threads before torch loads)
+    from backend.engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.cpu_placement import ENGINE_CPUS_ENV, launch_placement
+
 log = logging.getLogger("servers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -113,12 +115,27 @@ class _Process:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path | None, cwd: Path = REPO_ROOT) -> None:
+    def _spawn(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        log_path: Path | None,
+        cwd: Path = REPO_ROOT,
+        cpus: list[int] | None = None,
+    ) -> None:
+        """`cpus`: the CPUs the process (and every thread and child it starts) may run on; default all ours."""
         self.log_path = log_path
         out = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed by the child's exit)
         # A new session, so Ctrl-C in `make serve` reaches us first and we stop children in order.
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, cwd=cwd
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            cwd=cwd,
+            # (Set in the child before exec, so that no thread of it starts with a wider mask.)
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
         )
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -256,6 +273,11 @@ class TritonServer(_Process):
         env["PYTHONPATH"] = os.pathsep.join([str(_site_packages()), str(REPO_ROOT)])
         env["LLM_SERVING_SITE_PACKAGES"] = str(_site_packages())
         env["LLM_SERVING_REPO_ROOT"] = str(REPO_ROOT)
+        # The response's round trip on one core (backend/cpu_placement.py): tritonserver on the first of
+        # our CPUs, its stubs told the rest, so the engine thread shares that CPU and its workers do not.
+        placement = launch_placement(self.model_repository, env)
+        if placement is not None:
+            env[ENGINE_CPUS_ENV] = ",".join(map(str, placement[1]))
         cmd = [
             str(install.binary),
             f"--model-repository={self.model_repository}",
@@ -272,7 +294,7 @@ class TritonServer(_Process):
             "--model-control-mode=explicit",
             "--load-model=*",
         ]
-        self._spawn(cmd, env, log_path)
+        self._spawn(cmd, env, log_path, cpus=None if placement is None else [placement[0]])
         self.wait_ready(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout)
         if self.supervise:
             self.supervisor = StubSupervisor(self)

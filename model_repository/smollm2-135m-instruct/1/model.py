@@ -28,7 +28,7 @@ sys.path.insert(0, str(_REPO_ROOT))
 # the default, 300,000 `pause`s, is milliseconds of a core each time the engine thread runs Python between
 # regions or steps, taken from tritonserver, the frontend and this stub's sender, which share the cores.
 # 10,000 stops spinning within a millisecond (measurements: docs/benchmarking.md). libgomp reads it when it
-# loads, with torch below; a setting of the user's wins.
+# loads, with torch in initialize(); a setting of the user's wins.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
@@ -37,7 +37,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend import wire  # noqa: E402
 from backend.config import EngineConfig, instance_settings  # noqa: E402
-from backend.engine import EngineStats, LLMEngine  # noqa: E402
+from backend.cpu_placement import place_engine  # noqa: E402
 from backend.engine_loop import EngineLoop, StepTrace  # noqa: E402
 from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
 
@@ -62,7 +62,9 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        params.update(_placement(args, model_config, params))
+        kind = args.get("model_instance_kind", "CPU")
+        place_engine(kind, _cpu_instances(model_config))  # before torch loads (backend/cpu_placement.py)
+        params.update(_placement(kind, model_config, params))
         config = EngineConfig.from_strings(params)
         # Names this instance's life: a probe that sees another one knows the engine was restarted.
         self.instance_id = f"{args['model_instance_name']}-{uuid.uuid4().hex[:12]}"
@@ -76,6 +78,8 @@ class TritonPythonModel:
                 from backend.stand_in_engine import StandInEngine
 
                 return StandInEngine(float(params.get("stand_in_step_ms", "20")), config.max_num_seqs)
+            from backend.engine import LLMEngine  # (torch: loaded once placement is done)
+
             if gpu is not None:
                 import torch
 
@@ -177,7 +181,7 @@ class TritonPythonModel:
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
         self._last_gauges: dict[str, float] = {}
 
-    def _publish_stats(self, stats: EngineStats) -> None:
+    def _publish_stats(self, stats) -> None:  # backend.engine.EngineStats
         # Each set() and increment() is a round trip to tritonserver on the engine thread: only changes go.
         for name, metric in self._gauges.items():
             if name == "prefix_cache_hit_ratio":
@@ -195,18 +199,21 @@ class TritonPythonModel:
                 self._last_counts[name] = value
 
 
-def _placement(args, model_config, params):
-    """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances on
-    CUDA (each on its own device: initialize's build_engine), CPU instances splitting the cores."""
-    import torch
-
-    kind = args.get("model_instance_kind", "CPU")
-    cpu_instances = sum(
+def _cpu_instances(model_config):
+    return sum(
         int(g.get("count", 1))
         for g in model_config.get("instance_group", [])
         if g.get("kind", "KIND_CPU") == "KIND_CPU"
     )
-    return instance_settings(params, kind, cpu_instances, torch.get_num_threads())  # torch's default: one per core
+
+
+def _placement(kind, model_config, params):
+    """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances on
+    CUDA (each on its own device: initialize's build_engine), CPU instances splitting the cores."""
+    import torch
+
+    cpu_threads = torch.get_num_threads()  # torch's default: one per core
+    return instance_settings(params, kind, _cpu_instances(model_config), cpu_threads)
 
 
 def _one_string(tensor, name):
