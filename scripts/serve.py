@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return _wait(lambda: stopping, [triton], stop)
     print(f"\nOpenAI API: {frontend.url}/v1   (model: {DEFAULT_MODEL})", flush=True)
     print(f"Triton: gRPC {triton.grpc_url}, HTTP http://127.0.0.1:{triton.http_port}, metrics {triton.metrics_url}")
+    if triton.placement is not None:
+        cpu, engine_cpus = triton.placement
+        cpus = ",".join(map(str, engine_cpus))
+        print(f"CPUs: tritonserver on {cpu}, the engine on {cpus} (LLM_CPU_PLACEMENT=off: all float)")
     print(
         f"Try: curl -N {frontend.url}/v1/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model":"{DEFAULT_MODEL}","prompt":"The capital of France is","max_tokens":16,"stream":true}}\''

@@ -254,6 +254,7 @@ class TritonServer(_Process):
         self.extra_env = extra_env or {}
         self.supervise = supervise
         self.supervisor: StubSupervisor | None = None
+        self.placement: tuple[int, list[int]] | None = None  # (its CPU, the engine's CPUs), once started
 
     @property
     def grpc_url(self) -> str:
@@ -275,7 +276,7 @@ class TritonServer(_Process):
         env["LLM_SERVING_REPO_ROOT"] = str(REPO_ROOT)
         # The response's round trip on one core (backend/cpu_placement.py): tritonserver on the first of
         # our CPUs, its stubs told the rest, so the engine thread shares that CPU and its workers do not.
-        placement = launch_placement(self.model_repository, env)
+        self.placement = placement = launch_placement(self.model_repository, env)
         if placement is not None:
             env[ENGINE_CPUS_ENV] = ",".join(map(str, placement[1]))
         cmd = [
