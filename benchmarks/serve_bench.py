@@ -17,6 +17,9 @@ at concurrency 1, 8 and 32 (a finished request's slot is refilled at once).
 (c) the peer: transformers `generate` on the same fp32 weights and the same prompt tokens (the first
     round's), in static batches of `concurrency` requests (greedy, exactly max_tokens each), output
     tok/s only (--skip-peer leaves it out), once the servers have stopped.
+(d) with --perf-analyzer: perf_analyzer --streaming (Triton's C++ client) straight on tritonserver's
+    gRPC endpoint, after (b) in each round, on prompts of its own: perf_analyzer / in-process is what
+    tritonserver and the Python backend cost, serving / perf_analyzer what the frontend adds.
 
 (a) and (b) take turns: each of --rounds rounds runs every level served and then in-process, on
 prompts of its own. This machine's speed drifts by more than the path costs (the same in-process
