@@ -62,9 +62,9 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        kind = args.get("model_instance_kind", "CPU")
-        place_engine(kind, _cpu_instances(model_config))  # before torch loads (backend/cpu_placement.py)
-        params.update(_placement(kind, model_config, params))
+        kind, cpu_instances = args.get("model_instance_kind", "CPU"), _cpu_instances(model_config)
+        place_engine(kind, cpu_instances)  # before torch loads (backend/cpu_placement.py)
+        params.update(_placement(kind, cpu_instances, params))
         config = EngineConfig.from_strings(params)
         # Names this instance's life: a probe that sees another one knows the engine was restarted.
         self.instance_id = f"{args['model_instance_name']}-{uuid.uuid4().hex[:12]}"
@@ -207,13 +207,12 @@ def _cpu_instances(model_config):
     )
 
 
-def _placement(kind, model_config, params):
+def _placement(kind, cpu_instances, params):
     """This instance's share of the machine (backend.config.instance_settings): KIND_GPU instances on
     CUDA (each on its own device: initialize's build_engine), CPU instances splitting the cores."""
     import torch
 
-    cpu_threads = torch.get_num_threads()  # torch's default: one per core
-    return instance_settings(params, kind, _cpu_instances(model_config), cpu_threads)
+    return instance_settings(params, kind, cpu_instances, torch.get_num_threads())  # torch's default: one per core
 
 
 def _one_string(tensor, name):
