@@ -105,7 +105,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         return ".".join(loc[1:] if loc[:1] == ["body"] else loc) or "body"
 
     unknown = [where(e) for e in errors if e.get("type") == "extra_forbidden"]
-    if unknown:
+    malformed = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if malformed is not None:  # its loc is a character offset, not a field
+        loc = malformed.get("loc", ())
+        detail = (malformed.get("ctx") or {}).get("error", malformed.get("msg", "invalid JSON"))
+        at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        error = InvalidRequest(f"The request body is not valid JSON: {detail}{at}")
+    elif unknown:
         error = InvalidRequest(f"Unrecognized or unsupported request argument(s): {', '.join(unknown)}", unknown[0])
     elif errors:
         text = "; ".join(f"{where(e)}: {e.get('msg', 'invalid')}" for e in errors[:4])

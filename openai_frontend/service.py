@@ -105,7 +105,7 @@ class Service:
             raise InvalidRequest("best_of is only supported equal to n", "best_of")
         prompts = _normalize_prompts(req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
-        if max_tokens == 0 and not req.echo:
+        if max_tokens < 0 or (max_tokens == 0 and not req.echo):
             raise InvalidRequest(
                 "max_tokens must be at least 1 (0 only with echo: the prompt is scored, nothing generated)",
                 "max_tokens",
@@ -258,9 +258,12 @@ class Service:
             raise InvalidRequest("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.settings.chat_default_max_tokens
+        elif max_tokens < 1:
+            raise InvalidRequest(f"{given} must be at least 1", given)
         top = req.top_logprobs or 0
         try:
             tools = tool_plan(req)

@@ -521,6 +521,8 @@ async def test_chat_defaults_and_rules() -> None:
         for extra, param in [
             ({"top_logprobs": 2}, "top_logprobs"),
             ({"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
+            ({"max_completion_tokens": 0}, "max_completion_tokens"),
+            ({"max_tokens": -1}, "max_tokens"),
             ({"response_format": {"type": "json_xml"}}, "response_format.type"),
             ({"tools": [{"type": "function"}]}, "tools.0.function"),
             ({"tool_choice": "required"}, "tool_choice"),
@@ -564,6 +566,9 @@ async def test_unknown_fields_are_400_naming_them() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.bogus"
         r = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400
+        error = r.json()["error"]  # the decoder's offset is not a field
+        assert error["param"] is None and error["message"].startswith("The request body is not valid JSON")
+        assert "at character 1" in error["message"]
         r = await client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
@@ -604,6 +609,8 @@ async def test_lone_surrogates_are_400_naming_the_field(path, body, param) -> No
         ({"prompt": []}, "prompt"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"stop": [""]}, "stop"),
     ],
