@@ -169,6 +169,7 @@ class LLMEngine:
         for field_name, ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
         ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:

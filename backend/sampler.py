@@ -9,6 +9,8 @@
         ├─ logit_bias: added to the logits
         ├─ repetition_penalty (prompt + output tokens): positive logits / p, negative logits * p
         ├─ frequency / presence penalty (output tokens): - f * count - p * (count > 0)
+        ├─ allowed_token_ids: every other token gets -inf (where min_tokens banned all the allowed
+        │  ones, the row samples the allowed ones from their raw logits)
         ├─ structured outputs: tokens the row's grammar forbids get -inf (TokenBitmask)
         ▼
     greedy rows (temperature < 1e-5): argmax
@@ -150,9 +152,10 @@ class Sampler:
 
 
 def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """min_tokens mask, logit_bias and penalties; a new tensor, or `raw` itself when nothing applies.
+    """min_tokens mask, logit_bias, penalties and allowed_token_ids; a new tensor, or `raw` itself when
+    nothing applies.
 
-    All of them touch only a few entries per row (the banned ids, the biased ids, the tokens seen so
+    All but the last touch only a few entries per row (the banned ids, the biased ids, the tokens seen so
     far), so they work on flat indices `row * V + token` rather than on dense (S, V) masks.
     """
     S, V = raw.shape
@@ -161,6 +164,7 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
     bias_values: list[float] = []
     rep_rows: list[int] = []  # rows with repetition_penalty != 1
     pen_rows: list[int] = []  # rows with a frequency or presence penalty
+    only_rows: list[int] = []  # rows with allowed_token_ids
     for i, row in enumerate(rows):
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
@@ -174,7 +178,9 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
             rep_rows.append(i)
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             pen_rows.append(i)
-    if not (banned or bias_at or rep_rows or pen_rows):
+        if p.allowed_token_ids is not None:
+            only_rows.append(i)
+    if not (banned or bias_at or rep_rows or pen_rows or only_rows):
         return raw
 
     device = raw.device
@@ -195,6 +201,15 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
         frequency = _per_row(S, pen_rows, [rows[i].params.frequency_penalty for i in pen_rows], device)[at // V]
         presence = _per_row(S, pen_rows, [rows[i].params.presence_penalty for i in pen_rows], device)[at // V]
         flat[at] -= frequency * counts + presence
+    for i in only_rows:
+        ids = torch.tensor([t for t in rows[i].params.allowed_token_ids if t < V], dtype=torch.long, device=device)
+        if ids.numel() == 0:  # (the engine refuses ids past the vocabulary; never fail a whole batch here)
+            continue
+        kept = out[i, ids]
+        if not bool((kept > -math.inf).any()):  # min_tokens banned every allowed token: they win, raw
+            kept = raw[i, ids]
+        out[i] = -math.inf
+        out[i, ids] = kept
     return out
 
 

@@ -165,6 +165,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token_id, bias) pairs
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else only these are sampled (vLLM's)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
@@ -231,6 +232,16 @@ class SamplingParams:
             "logit_bias",
         )
         _require(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, tuple)
+                and len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids must be a non-empty list of token ids",
+            "allowed_token_ids",
+        )
+        _require(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
             "structured_outputs must be a StructuredOutputs",
             "structured_outputs",
@@ -252,6 +263,8 @@ class SamplingParams:
             kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if "stop_token_ids" in kwargs:
             kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"] or ())
+        if isinstance(kwargs.get("allowed_token_ids"), list):
+            kwargs["allowed_token_ids"] = tuple(kwargs["allowed_token_ids"])
         if "logit_bias" in kwargs:
             bias = kwargs["logit_bias"] or {}
             if not isinstance(bias, dict):
@@ -286,6 +299,10 @@ class SamplingParams:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if self.allowed_token_ids is None:
+            del out["allowed_token_ids"]
+        else:
+            out["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.structured_outputs is None:
             del out["structured_outputs"]
         else:

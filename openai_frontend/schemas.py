@@ -72,6 +72,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None

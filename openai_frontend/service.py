@@ -516,6 +516,8 @@ def _sampling_params(
         kwargs["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids is not None:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.allowed_token_ids is not None:
+        kwargs["allowed_token_ids"] = tuple(req.allowed_token_ids)
     if req.logit_bias:
         try:
             kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))

@@ -72,6 +72,21 @@ def test_stop_token_id_reports_its_id(engine):
     assert tokens(msgs) == [42] and msgs[-1].stop_reason == 42 and msgs[-1].finish_reason is FinishReason.STOP
 
 
+def test_allowed_token_ids_restrict_every_sequence(engine):
+    allowed = [42, 43, 44]
+    per_seq = generate(engine, n=3, max_tokens=6, allowed_token_ids=allowed, temperature=1.0, seed=1, ignore_eos=True)
+    assert len(per_seq) == 3
+    for msgs in per_seq.values():
+        assert len(tokens(msgs)) == 6 and set(tokens(msgs)) <= set(allowed)
+    params = SamplingParams.from_dict({"allowed_token_ids": allowed})
+    assert params.allowed_token_ids == (42, 43, 44) and SamplingParams.from_dict(params.to_dict()) == params
+    assert "allowed_token_ids" not in SamplingParams().to_dict()  # absent means any token
+    for bad in ([], [-1], [1.5], "12"):
+        with pytest.raises(InvalidRequestError) as refused:
+            SamplingParams.from_dict({"allowed_token_ids": bad})
+        assert refused.value.param == "allowed_token_ids"
+
+
 def test_context_limits():
     engine = tiny_engine(max_model_len=32)
     with pytest.raises(InvalidRequestError, match="context") as refused:
@@ -90,6 +105,7 @@ def test_out_of_vocabulary_token_ids_name_the_id_the_vocabulary_and_the_field(en
     for field_name, params in [
         ("stop_token_ids", SamplingParams(stop_token_ids=(5, vocab + 7))),
         ("logit_bias", SamplingParams(logit_bias=((vocab + 7, 1.0),))),
+        ("allowed_token_ids", SamplingParams(allowed_token_ids=(3, vocab + 7))),
     ]:
         with pytest.raises(InvalidRequestError) as refused:
             engine.make_request("oov", PROMPT, params)

@@ -613,6 +613,7 @@ async def test_lone_surrogates_are_400_naming_the_field(path, body, param) -> No
         ({"max_tokens": -1, "echo": True}, "max_tokens"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"stop": [""]}, "stop"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
     ],
 )
 async def test_invalid_values_are_400(body: dict[str, Any], param: str) -> None:
@@ -647,12 +648,14 @@ async def test_sampling_params_reach_the_engine() -> None:
                 "logit_bias": {"10": -100, "3": 5},
                 "ignore_eos": True,
                 "include_stop_str_in_output": True,
+                "allowed_token_ids": [7, 3],
                 "best_of": 1,
                 "user": "u1",
             },
         )
     assert r.status_code == 200, r.text
     p = engine.calls[0].params
+    assert p.allowed_token_ids == (7, 3)
     assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (4, 2, 0.0, 0.9, 5, 0.1, 7)
     assert p.stop == ("END",) and p.stop_token_ids == (2,) and p.logit_bias == ((3, 5.0), (10, -100.0))
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
@@ -668,6 +671,7 @@ async def test_null_fields_mean_defaults() -> None:
             "top_p",
             "stop",
             "logit_bias",
+            "allowed_token_ids",
             "seed",
             "stream",
             "stream_options",

@@ -214,6 +214,32 @@ def test_logit_bias_steers_and_out_of_vocab_is_ignored():
     assert out[0].token_id == 17 and out[1].token_id == x[1].argmax().item()
 
 
+def test_allowed_token_ids_keep_only_those_tokens():
+    x = logits_for(6, 2, 50)
+    allowed = (3, 17, 41)
+    greedy = row(temperature=0.0, allowed_token_ids=allowed, logprobs=2)
+    free = row(temperature=0.0)
+    out = Sampler().sample(x, [greedy, free])
+    assert out[0].token_id == max(allowed, key=lambda t: x[0, t].item())
+    assert out[1].token_id == x[1].argmax().item()  # the other row of the batch is untouched
+    raw = torch.log_softmax(x[0].double(), dim=-1)  # logprobs stay the model's raw distribution
+    assert out[0].logprob == pytest.approx(raw[out[0].token_id].item(), abs=1e-5)
+    assert out[0].top_token_ids == tuple(raw.topk(2).indices.tolist())
+    rows = [row(temperature=1.5, allowed_token_ids=allowed, generator=make_generator(i, 0)) for i in range(64)]
+    drawn = {t.token_id for t in Sampler().sample(logits_for(7, 64, 50), rows)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+
+
+def test_allowed_token_ids_win_over_min_tokens_when_it_banned_them_all():
+    x = torch.zeros(1, 10)
+    x[0, 5] = 9.0
+    x[0, 3] = 1.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, allowed_token_ids=(EOS, 3))
+    assert Sampler().sample(x, [row(p, output=())])[0].token_id == 3  # EOS banned, 3 allowed
+    p = SamplingParams(temperature=0.0, min_tokens=2, allowed_token_ids=(EOS,))
+    assert Sampler().sample(x, [row(p, output=())])[0].token_id == EOS  # nothing else is allowed
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     x = torch.tensor([[2.0, 1.9, -1.0, -1.05]])
     assert Sampler().sample(x, [row(temperature=0.0, repetition_penalty=1.2, prompt=(0,))])[0].token_id == 1

@@ -115,6 +115,38 @@ def test_stop_string_ends_the_text_before_it(client, servers):
     assert choice.model_extra.get("stop_reason") == stop
 
 
+def test_allowed_token_ids_limit_every_streamed_token(servers):
+    tokenized = httpx.post(f"{servers.frontend.url}/tokenize", json={"prompt": " yes no maybe"}, timeout=60)
+    allowed = tokenized.json()["tokens"]
+    body = {
+        "model": servers.model,
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "n": 2,
+        "temperature": 1.0,
+        "stream": True,
+        "ignore_eos": True,
+        "allowed_token_ids": allowed,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{servers.base_url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ids: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            ids.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert sorted(ids) == [0, 1] and all(len(v) == 6 and set(v) <= set(allowed) for v in ids.values()), ids
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    oov = httpx.post(
+        f"{servers.base_url}/completions",
+        json={"model": servers.model, "prompt": PROMPT, "allowed_token_ids": [10**6]},
+        timeout=60,
+    )
+    assert oov.status_code == 400 and oov.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_echo_prepends_the_prompt(client, servers):
     out = client.completions.create(model=servers.model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
