@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from backend.types import InvalidRequestError, SamplingParams, StepOutput
 from openai_frontend.chat_template import render_chat, template_reads_tools
 from openai_frontend.constraints import Constraint, request_constraint, tool_call_constraint
-from openai_frontend.engine_client import EngineClient
+from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.generation import Generation, Usage
 from openai_frontend.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, prompt_logprobs
@@ -124,9 +124,13 @@ class Service:
         )
         include, continuous = _usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)  # ModelNotFound -> 404 before any work
+        keep = _kept_prompt_tokens(req, model)
         # The frontend's tokenizer is needed to show token-id prompts as text, and to send text prompts as ids.
         echo_ids = bool(req.echo) and any(not isinstance(p, str) for p in prompts)
-        tokenizer = await self.tokenizers.get(model) if echo_ids or req.return_token_ids else None
+        needs_tokenizer = echo_ids or req.return_token_ids or keep is not None
+        tokenizer = await self.tokenizers.get(model) if needs_tokenizer else None
+        if keep is not None:  # a prompt that is cut goes as the ids kept, and echo shows their text
+            prompts = tuple(_truncated(p, tokenizer.encode, keep) for p in prompts)
         echo_texts = None
         if req.echo:
             echo_texts = tuple(
@@ -296,8 +300,13 @@ class Service:
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
-        if req.return_token_ids:
-            prompt = tuple((await self.tokenizers.get(model)).encode(prompt))
+        keep = _kept_prompt_tokens(req, model)
+        if req.return_token_ids or keep is not None:
+            ids = tuple((await self.tokenizers.get(model)).encode(prompt))
+            if keep is not None and len(ids) > keep:
+                prompt = ids[-keep:]
+            elif req.return_token_ids:
+                prompt = ids
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else None
         return _Plan(
@@ -461,6 +470,33 @@ def _usage_options(req: SamplingFields, force: bool) -> tuple[bool, bool]:
     opts = req.stream_options
     # Per-chunk usage only when usage is asked for at all (OpenAI's and vLLM's rule).
     return force or bool(opts and opts.include_usage), bool(opts and opts.include_usage and opts.continuous_usage_stats)
+
+
+def _kept_prompt_tokens(req: SamplingFields, model: ModelInfo) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens are kept (None: all of them;
+    -1: as many as the context window holds)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == 0 or k < -1:
+        raise InvalidRequest(
+            "truncate_prompt_tokens must be -1 (the context window) or at least 1", "truncate_prompt_tokens"
+        )
+    limit = model.max_model_len
+    if k == -1:
+        return limit
+    if limit is not None and k > limit:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens ({k}) is greater than the model's context window, max_model_len ({limit})",
+            "truncate_prompt_tokens",
+        )
+    return k
+
+
+def _truncated(prompt: str | tuple[int, ...], encode: Callable[[str], list[int]], keep: int) -> str | tuple[int, ...]:
+    """The prompt's last `keep` tokens (from the left, as vLLM cuts); a prompt that fits stays as given."""
+    ids = tuple(encode(prompt)) if isinstance(prompt, str) else prompt
+    return prompt if len(ids) <= keep else ids[-keep:]
 
 
 def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | tuple[int, ...], ...]:

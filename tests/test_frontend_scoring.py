@@ -195,6 +195,35 @@ async def test_return_token_ids_sends_the_prompt_as_ids_and_returns_both() -> No
     assert len(chat["choices"][0]["token_ids"]) == 2
 
 
+async def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    text = "one two three four five six seven eight"
+    ids = TOKENIZER.encode(text)
+    eng = engine()
+    body = await post(
+        eng,
+        "/v1/completions",
+        {"model": MODEL, "prompt": [text, "short"], "max_tokens": 2, "truncate_prompt_tokens": 3, "echo": True},
+    )
+    assert eng.calls[0].prompt == ids[-3:] and eng.calls[1].prompt == "short"  # a prompt that fits stays text
+    echoed = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert echoed[0].startswith(TOKENIZER.decode(ids[-3:])) and echoed[1].startswith("short")
+    assert body["usage"]["prompt_tokens"] == 3 + len(TOKENIZER.encode("short"))
+    eng = engine()
+    await post(eng, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert eng.calls[0].prompt == ids  # -1: the context window, which holds it
+    eng = engine()
+    messages = [{"role": "user", "content": text}]
+    await post(eng, "/v1/chat/completions", {"model": MODEL, "messages": messages, "truncate_prompt_tokens": 4})
+    rendered = TOKENIZER.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    assert eng.calls[0].prompt == rendered[-4:]
+    for bad in (0, -2, SCORED.max_model_len + 1):
+        eng = engine()
+        error = await post(
+            eng, "/v1/completions", {"model": MODEL, "prompt": text, "truncate_prompt_tokens": bad}, status=400
+        )
+        assert error["error"]["param"] == "truncate_prompt_tokens" and eng.calls == []
+
+
 async def test_return_tokens_as_token_ids_names_every_token_by_id() -> None:
     body = await post(
         engine(),

@@ -147,6 +147,18 @@ def test_allowed_token_ids_limit_every_streamed_token(servers):
     assert oov.status_code == 400 and oov.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_truncate_prompt_tokens_runs_the_last_tokens(client, servers):
+    text = "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of"
+    ids = httpx.post(f"{servers.frontend.url}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    cut = client.completions.create(
+        model=servers.model, prompt=text, max_tokens=5, temperature=0, extra_body={"truncate_prompt_tokens": 6}
+    )
+    same = client.completions.create(model=servers.model, prompt=ids[-6:], max_tokens=5, temperature=0)
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == same.choices[0].text
+    whole = client.completions.create(model=servers.model, prompt=text, max_tokens=5, temperature=0)
+    assert whole.usage.prompt_tokens == len(ids) > 6
+
+
 def test_echo_prepends_the_prompt(client, servers):
     out = client.completions.create(model=servers.model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
