@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backend import huge_pages
+from backend.admission import AdmissionGroups
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
@@ -25,6 +26,7 @@ from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
 from backend.structured_output import GrammarState, StructuredOutputCompiler
 from backend.types import (
+    AdmissionGroup,
     EngineOutput,
     EngineOverloaded,
     GenerateRequest,
@@ -125,6 +127,7 @@ class LLMEngine:
         self._generation_tokens = 0
         self._aborted = 0
         self._rejected = 0
+        self._admission_groups = AdmissionGroups()
         logger.info("engine ready: %d KV blocks of %d tokens, context %d", num_blocks, config.block_size, max_model_len)
 
     # -- requests -------------------------------------------------------------------------------
@@ -183,20 +186,26 @@ class LLMEngine:
             self.structured_outputs.check(params.structured_outputs)  # a bad grammar is refused here
         return GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
 
-    def add_request(self, request: GenerateRequest) -> None:
+    def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
         """Queues the request; a constrained one joins the scheduler once its grammar is compiled.
-        Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`."""
+        Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`, unless another
+        request of its `admission_group` (the same client request) was admitted already."""
         if request.request_id in self.output_processor.requests or request.request_id in self._compiling:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         bound = self.config.max_waiting_seqs
         waiting = self._num_waiting_seqs()
         # Sequences the free seats take at the next step are not queued.
-        if bound is not None and waiting + request.params.n > bound + self.scheduler.num_free_seats:
+        if (
+            bound is not None
+            and waiting + request.params.n > bound + self.scheduler.num_free_seats
+            and not self._admission_groups.joins_admitted(admission_group)
+        ):
             self._rejected += 1
             raise EngineOverloaded(
                 f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); retry later",
                 code="overloaded",
             )
+        self._admission_groups.admitted(admission_group)
         spec = request.params.structured_outputs
         if spec is None:
             self._schedule_request(request, None)

@@ -47,7 +47,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from backend.coalescing import PendingResponses, StreamInterval
-from backend.types import EngineOutput, GenerateRequest, InvalidRequestError, RequestFailure, StepOutput
+from backend.types import (
+    AdmissionGroup,
+    EngineOutput,
+    GenerateRequest,
+    InvalidRequestError,
+    RequestFailure,
+    StepOutput,
+)
 
 if TYPE_CHECKING:  # (no torch at import: model.py places the engine's threads before torch loads)
     from backend.engine import EngineStats, LLMEngine
@@ -125,7 +132,9 @@ class EngineLoop(Generic[Sink]):
         self._send = send
         self._is_cancelled = is_cancelled
         self._on_stats = on_stats
-        self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None, bool]] = queue.Queue()
+        self._incoming: queue.Queue[tuple[GenerateRequest, Sink, str | None, bool, AdmissionGroup | None]] = (
+            queue.Queue()
+        )
         # Lists of (sink, output): one per step (one lock round per step, not per output); None stops.
         self._outgoing: queue.Queue[list[tuple[Sink, EngineOutput]] | None] = queue.Queue()
         self._held: StreamInterval[Sink] = StreamInterval(stream_interval)  # engine thread only
@@ -170,14 +179,20 @@ class EngineLoop(Generic[Sink]):
         return not self._stopping.is_set() and all(t.is_alive() for t in threads)
 
     def submit(
-        self, request: GenerateRequest, sink: Sink, key: str | None = None, sends_cancel_message: bool = False
+        self,
+        request: GenerateRequest,
+        sink: Sink,
+        key: str | None = None,
+        sends_cancel_message: bool = False,
+        admission_group: AdmissionGroup | None = None,
     ) -> None:
         """Thread-safe: called from Triton's execute(). `key` (the client's id for the request) is what
         `cancel` names it by. `sends_cancel_message`: the client cancels a keyed request by message, so
-        whether its client went away is asked only every CANCEL_BACKSTOP_S."""
+        whether its client went away is asked only every CANCEL_BACKSTOP_S. `admission_group`: the
+        other requests of the same client request (LLMEngine.add_request)."""
         if self._trace is not None:
             self._trace.mark("submit", request.request_id)
-        self._incoming.put((request, sink, key, sends_cancel_message and key is not None))
+        self._incoming.put((request, sink, key, sends_cancel_message and key is not None, admission_group))
 
     def cancel(self, key: str) -> None:
         """Thread-safe: aborts the unfinished requests submitted under `key` (before the next step; each
@@ -252,11 +267,11 @@ class EngineLoop(Generic[Sink]):
         except queue.Empty:
             return
         while True:
-            request, sink, key, by_message = item
+            request, sink, key, by_message, group = item
             if self._trace is not None:
                 self._trace.mark("admit", request.request_id)
             try:
-                self.engine.add_request(request)
+                self.engine.add_request(request, group)
                 self._sinks[request.request_id] = sink
                 if key is not None:
                     self._keys[request.request_id] = key

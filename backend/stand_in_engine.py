@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from backend.engine import EngineStats
 from backend.types import (
+    AdmissionGroup,
     EngineOutput,
     FinishReason,
     GenerateRequest,
@@ -50,7 +51,8 @@ class StandInEngine:
         ids = tuple(range(len(prompt.split()))) if isinstance(prompt, str) else tuple(prompt)
         return GenerateRequest(request_id, ids or (0,), params)
 
-    def add_request(self, request: GenerateRequest) -> None:
+    def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
+        """(No queue bound here, so `admission_group` changes nothing.)"""
         if request.request_id in self._running or any(
             w.request.request_id == request.request_id for w in self._waiting
         ):

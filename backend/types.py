@@ -30,6 +30,15 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionGroup:
+    """The engine requests of one client request (`size` of them, sharing `key`): the queue bound judges
+    the first to arrive, and the others join it (backend/admission.py)."""
+
+    key: str
+    size: int
+
+
 class EngineOverloaded(InvalidRequestError):
     """The engine's queue is full: the request is refused at once rather than queued without end."""
 

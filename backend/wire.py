@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.types import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
+from backend.types import AdmissionGroup, FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
 
 # The outputs of every step message.
 STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "num_prompt_tokens", "num_output_tokens")
@@ -40,14 +40,34 @@ PROMPT_LOGPROB_OUTPUTS = (
 SENDS_CANCEL_MESSAGE = "sends_cancel_message"
 
 
-def sends_cancel_message(request_parameters: str) -> bool:
-    """Whether a request's parameters (the JSON object python_backend's `request.parameters()` gives)
-    say that its client sends cancel messages."""
+# Request parameters (string, int) of a client request whose prompts travel as several Triton requests:
+# the key they share and how many there are. The engine's queue bound judges the first to arrive only
+# (backend/admission.py).
+ADMISSION_GROUP = "admission_group"
+ADMISSION_GROUP_SIZE = "admission_group_size"
+
+
+def _parameters(request_parameters: str) -> dict:
+    """The JSON object python_backend's `request.parameters()` gives ({} when it is not one)."""
     try:
         parameters = json.loads(request_parameters or "{}")
     except ValueError:
-        return False
-    return isinstance(parameters, dict) and parameters.get(SENDS_CANCEL_MESSAGE) is True
+        return {}
+    return parameters if isinstance(parameters, dict) else {}
+
+
+def sends_cancel_message(request_parameters: str) -> bool:
+    """Whether a request's parameters say that its client sends cancel messages."""
+    return _parameters(request_parameters).get(SENDS_CANCEL_MESSAGE) is True
+
+
+def admission_group(request_parameters: str) -> AdmissionGroup | None:
+    """The admission group a request's parameters name (None: none, or not well-formed)."""
+    parameters = _parameters(request_parameters)
+    key, size = parameters.get(ADMISSION_GROUP), parameters.get(ADMISSION_GROUP_SIZE)
+    if not isinstance(key, str) or not key or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return None
+    return AdmissionGroup(key, size)
 
 
 class WireError(ValueError):

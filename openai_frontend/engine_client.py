@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from backend.types import SamplingParams, StepOutput
+from backend.types import AdmissionGroup, SamplingParams, StepOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,18 @@ class EngineClient(Protocol):
         ...
 
     def generate(
-        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        admission_group: AdmissionGroup | None = None,
     ) -> AsyncIterator[StepOutput]:
         """One engine request: yields one StepOutput per sequence per step, in arrival order.
 
         Values are passed on as received (no checking of step order: the service does that).
+        `admission_group`: the other engine requests of the same client request (a batch of prompts),
+        which the engine's queue bound admits together with the first.
         Raises InvalidRequest (the engine refused it), EngineFailure or EngineUnavailable. Closing
         the iterator before the end (client gone) cancels the engine request.
         """

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from backend.types import SamplingParams, StepOutput
+from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
 from openai_frontend.metrics import Metrics
@@ -85,6 +85,8 @@ class Generation:
         self._prompt_tokens: dict[int, int] = {}  # prompt_index -> num_prompt_tokens, once heard from
         self._completion_tokens = 0
         self._first_token_seen = False
+        # Several prompts are several engine requests: the engine's queue bound admits them as one.
+        self._admission_group = AdmissionGroup(request_id, len(prompts)) if len(prompts) > 1 else None
 
     @property
     def usage(self) -> Usage:
@@ -148,7 +150,9 @@ class Generation:
         engine_prompt = prompt if isinstance(prompt, str) else list(prompt)
         finished: set[int] = set()
         try:
-            stream = self.engine.generate(self.model, engine_prompt, self.params, f"{self.request_id}-{p}")
+            stream = self.engine.generate(
+                self.model, engine_prompt, self.params, f"{self.request_id}-{p}", self._admission_group
+            )
             async with aclosing(stream):
                 async for out in stream:
                     yield out

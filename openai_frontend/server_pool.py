@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backend.types import SamplingParams, StepOutput
+from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, FrontendError, ModelNotFound
 from openai_frontend.triton_client import TritonEngineClient
@@ -140,7 +140,12 @@ class ServerPool:
         raise unavailable or ModelNotFound(model)
 
     async def generate(
-        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        admission_group: AdmissionGroup | None = None,
     ) -> AsyncIterator[StepOutput]:
         await self._refresh()
         tried: set[str] = set()
@@ -157,7 +162,7 @@ class ServerPool:
             self._m_in_flight.labels(server.url).inc()
             self._m_routed.labels(server.url).inc()
             try:
-                stream = server.client.generate(model, prompt, params, request_id)
+                stream = server.client.generate(model, prompt, params, request_id, admission_group)
                 try:
                     async for out in stream:
                         started = True

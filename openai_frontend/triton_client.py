@@ -39,7 +39,7 @@ from tritonclient.utils import (
 )
 
 from backend import wire
-from backend.types import SamplingParams, StepOutput
+from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.engine_watchdog import DOWN_RETRY_AFTER_S, EngineWatchdog, ProbesUnsupported
 from openai_frontend.errors import (
@@ -59,9 +59,14 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
 def build_request(
-    model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+    model: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    request_id: str,
+    admission_group: AdmissionGroup | None = None,
 ) -> service_pb2.ModelInferRequest:
-    """The ModelInferRequest of the wire contract: text_input or input_ids, plus sampling_params."""
+    """The ModelInferRequest of the wire contract: text_input or input_ids, plus sampling_params (and
+    the admission group's parameters when the request is one of several of a client request)."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     if isinstance(prompt, str):
         _add_bytes_input(request, "text_input", [prompt])
@@ -71,6 +76,9 @@ def build_request(
     _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
     request.parameters[EMPTY_FINAL].bool_param = True
     request.parameters[wire.SENDS_CANCEL_MESSAGE].bool_param = True  # (generate's `finally`)
+    if admission_group is not None:
+        request.parameters[wire.ADMISSION_GROUP].string_param = admission_group.key
+        request.parameters[wire.ADMISSION_GROUP_SIZE].int64_param = admission_group.size
     return request
 
 
@@ -289,10 +297,15 @@ class TritonEngineClient:
             stream.end(cancel=False)
 
     async def generate(
-        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        admission_group: AdmissionGroup | None = None,
     ) -> AsyncIterator[StepOutput]:
         self.watchdog.check(model)  # a dead engine: 503 at once
-        stream = self._open_stream(build_request(model, prompt, params, request_id))
+        stream = self._open_stream(build_request(model, prompt, params, request_id, admission_group))
         killed: list[str] = []
 
         def kill(reason: str) -> None:  # the watchdog found the engine dead: end this stream now

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from backend.types import FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from backend.types import AdmissionGroup, FinishReason, SamplingParams, StepOutput, TokenLogprobs
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
 
@@ -96,6 +96,7 @@ class GenerateCall:
     prompt: str | list[int]
     params: SamplingParams
     request_id: str
+    admission_group: AdmissionGroup | None = None
 
 
 class FakeEngineClient:
@@ -129,10 +130,15 @@ class FakeEngineClient:
         return self.models[model]
 
     async def generate(
-        self, model: str, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        admission_group: AdmissionGroup | None = None,
     ) -> AsyncIterator[StepOutput]:
         self._check_available()
-        self.calls.append(GenerateCall(model, prompt, params, request_id))
+        self.calls.append(GenerateCall(model, prompt, params, request_id, admission_group))
         finished: set[int] = set()
         done = False
         self._open += 1

@@ -230,6 +230,24 @@ def test_a_full_queue_refuses_new_requests_at_once():
     engine.add_request(engine.make_request("later", [1, 2, 3], params))  # room again
 
 
+def test_a_batch_larger_than_the_queue_is_admitted_as_one_and_served_whole():
+    from backend.types import AdmissionGroup, EngineOverloaded
+
+    engine = tiny_engine(max_num_seqs=2, max_waiting_seqs=3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    batch = AdmissionGroup("batch", 8)  # 8 prompts: more than 2 seats and 3 queued
+    for i in range(8):
+        engine.add_request(engine.make_request(f"batch-{i}", [1, 2, 3 + i], params), batch)
+    with pytest.raises(EngineOverloaded):  # a lone request still meets the bound
+        engine.add_request(engine.make_request("alone", [1, 2, 3], params))
+    with pytest.raises(EngineOverloaded):  # and so does the first of another batch
+        engine.add_request(engine.make_request("other-0", [1, 2, 3], params), AdmissionGroup("other", 2))
+    assert engine.stats().rejected_requests == 2 and engine.stats().num_waiting == 8
+    outputs = run_to_completion(engine)
+    finished = {o.request_id for o in outputs if isinstance(o, StepOutput) and o.request_finished}
+    assert finished == {f"batch-{i}" for i in range(8)}
+
+
 def test_a_sequence_cut_mid_character_gives_its_last_token_the_held_text():
     """Regression (found by the soak): the text flushed at the end was in the text, not in the logprob tokens."""
     engine = tiny_engine()

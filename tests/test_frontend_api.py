@@ -167,6 +167,12 @@ async def test_batched_prompts_index_is_prompt_times_n_plus_seq() -> None:
     assert events[-1]["usage"] == {"prompt_tokens": 2 + 3 + 4, "completion_tokens": 6, "total_tokens": 15}
     assert sorted(c.prompt for c in engine.calls) == ["p0", "p1x", "p2yy"]  # one engine request per prompt
     assert len({c.request_id for c in engine.calls}) == 3
+    # ... which the engine's queue bound admits as one
+    assert len({c.admission_group for c in engine.calls}) == 1 and engine.calls[0].admission_group.size == 3
+    assert all(c.request_id.startswith(c.admission_group.key) for c in engine.calls)
+    single = FakeEngineClient(script)
+    await stream(single, "/v1/completions", {"prompt": "alone", "n": 2})
+    assert single.calls[0].admission_group is None
 
 
 async def test_token_id_prompts() -> None:

@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from backend import wire
-from backend.types import FinishReason, PromptLogprobs, SamplingParams, StepOutput, TokenLogprobs
+from backend.types import AdmissionGroup, FinishReason, PromptLogprobs, SamplingParams, StepOutput, TokenLogprobs
 from openai_frontend.app import create_app
 from openai_frontend.errors import (
     EngineFailure,
@@ -197,6 +197,30 @@ async def test_build_request() -> None:
     ids = build_request("llm", [1, 2, 3], SamplingParams(), "r")
     assert (ids.inputs[0].name, ids.inputs[0].datatype, list(ids.inputs[0].shape)) == ("input_ids", "INT32", [3])
     assert np.frombuffer(ids.raw_input_contents[0], dtype=np.int32).tolist() == [1, 2, 3]
+    assert wire.ADMISSION_GROUP not in request.parameters and wire.admission_group(forwarded) is None
+
+
+async def test_an_admission_group_travels_as_request_parameters() -> None:
+    request = build_request("llm", "x", SamplingParams(), "req-7-1", AdmissionGroup("req-7", 3))
+    p = request.parameters
+    # python_backend hands the engine its parameters as one JSON object of their values.
+    forwarded = json.dumps(
+        {
+            wire.ADMISSION_GROUP: p[wire.ADMISSION_GROUP].string_param,
+            wire.ADMISSION_GROUP_SIZE: p[wire.ADMISSION_GROUP_SIZE].int64_param,
+        }
+    )
+    assert wire.admission_group(forwarded) == AdmissionGroup("req-7", 3)
+    for bad in (
+        '{"admission_group": "", "admission_group_size": 2}',
+        '{"admission_group": "k"}',
+        '{"admission_group": "k", "admission_group_size": true}',
+        '{"admission_group": 5, "admission_group_size": 2}',
+        '{"admission_group": "k", "admission_group_size": 0}',
+        "not json",
+        "[]",
+    ):
+        assert wire.admission_group(bad) is None, bad
 
 
 async def test_the_frontend_sets_its_grpc_experiments_unless_the_user_did() -> None:

@@ -55,7 +55,9 @@ class FakeServer:
             raise ModelNotFound(model)
         return ModelInfo(model)
 
-    async def generate(self, model: str, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, model: str, prompt, params: SamplingParams, request_id: str, admission_group=None
+    ) -> AsyncIterator[StepOutput]:
         if self.refuse:
             raise EngineUnavailable(f"{self.url} unreachable")
         self.prompts.append(prompt)

@@ -1,5 +1,6 @@
 """Breaking a running server on purpose, with servers of its own (these tests kill things):
-- overload past the queue bound: 503 + Retry-After at once, what is admitted is served whole;
+- overload past the queue bound: 503 + Retry-After at once, what is admitted is served whole; one
+  request with more prompts than seats and queue is served whole;
 - SIGTERM to the frontend: readiness and new requests 503 at once, short streams finish, a long one
   ends with an error event when the grace period is over;
 - the engine process (the model's Python-backend stub) killed with SIGKILL mid-stream: every open
@@ -55,6 +56,23 @@ async def test_overload_past_the_queue_bound_is_refused_at_once(own_servers):
     while metric_value(triton.metrics_url, "llm_rejected_requests_total") - rejected_before < len(refused):
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+async def test_one_request_with_more_prompts_than_seats_and_queue_is_served_whole(own_servers):
+    """Its prompts are admitted as one (backend/admission.py): cut part way, it would be refused and told
+    to retry a request that could never fit."""
+    triton, frontend = own_servers
+    prompts = [f"Story number {i}:" for i in range(12)]  # 4 seats + 2 waiting
+    body = {"model": DEFAULT_MODEL, "prompt": prompts, "max_tokens": 4, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert sorted(c["index"] for c in r.json()["choices"]) == list(range(12))
+        assert r.json()["usage"]["completion_tokens"] == 48
+        events, _ = await read_sse(http, {**body, "stream": True, "n": 2})
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"] is not None]
+    assert sorted(c["index"] for c in finished) == list(range(24))
 
 
 async def test_sigterm_drains_the_frontend(own_servers):

@@ -111,8 +111,14 @@ class TritonPythonModel:
                     continue
                 prompt, params = self._parse(request)
                 key = request.request_id() or None  # what a cancel message names it by
-                by_message = wire.sends_cancel_message(request.parameters())
-                self.loop.submit(self.engine.make_request(request_id, prompt, params), sender, key, by_message)
+                parameters = request.parameters()
+                self.loop.submit(
+                    self.engine.make_request(request_id, prompt, params),
+                    sender,
+                    key,
+                    wire.sends_cancel_message(parameters),
+                    wire.admission_group(parameters),
+                )
             except InvalidRequestError as e:
                 self._send(sender, RequestFailure.refused(request_id, e))
             except Exception as e:  # noqa: BLE001 - a malformed request must not crash the stub
