@@ -16,6 +16,7 @@ import torch
 
 from backend import huge_pages
 from backend.admission import AdmissionGroups
+from backend.bad_words import bad_words_token_ids
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
@@ -184,7 +185,8 @@ class LLMEngine:
             raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
         if params.structured_outputs is not None:
             self.structured_outputs.check(params.structured_outputs)  # a bad grammar is refused here
-        return GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
+        bad = bad_words_token_ids(params.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
+        return GenerateRequest(request_id, token_ids, params, bad)
 
     def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
         """Queues the request; a constrained one joins the scheduler once its grammar is compiled.
@@ -222,6 +224,7 @@ class LLMEngine:
                 prompt_token_ids=request.prompt_token_ids,
                 params=request.params,
                 arrival=arrival,
+                bad_words_token_ids=request.bad_words_token_ids,
             )
             for i in range(request.params.n)
         ]

@@ -178,6 +178,7 @@ class ModelRunner:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=tuple(seq.output_token_ids),
             eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=seq.bad_words_token_ids,
         )
 
     def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:

@@ -6,6 +6,7 @@
     raw logits ──► logprobs (raw log_softmax, only rows that asked)
         │
         ├─ min_tokens: EOS ids and stop_token_ids get -inf while len(output) < min_tokens
+        ├─ bad_words: a token that would complete one gets -inf (backend/bad_words.py)
         ├─ logit_bias: added to the logits
         ├─ repetition_penalty (prompt + output tokens): positive logits / p, negative logits * p
         ├─ frequency / presence penalty (output tokens): - f * count - p * (count > 0)
@@ -48,6 +49,7 @@ from itertools import chain
 
 import torch
 
+from backend.bad_words import banned_next_tokens
 from backend.structured_output import TokenBitmask
 from backend.types import MAX_LOGPROBS, SamplingParams
 from kernels import cpu_kernels
@@ -68,6 +70,7 @@ class SamplingRow:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +155,14 @@ class Sampler:
 
 
 def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """min_tokens mask, logit_bias, penalties and allowed_token_ids; a new tensor, or `raw` itself when
-    nothing applies.
+    """min_tokens mask, bad_words, logit_bias, penalties and allowed_token_ids; a new tensor, or `raw`
+    itself when nothing applies.
 
     All but the last touch only a few entries per row (the banned ids, the biased ids, the tokens seen so
     far), so they work on flat indices `row * V + token` rather than on dense (S, V) masks.
     """
     S, V = raw.shape
-    banned: list[int] = []  # flat indices set to -inf for min_tokens
+    banned: list[int] = []  # flat indices set to -inf for min_tokens and bad_words
     bias_at: list[int] = []  # flat indices and values of logit_bias
     bias_values: list[float] = []
     rep_rows: list[int] = []  # rows with repetition_penalty != 1
@@ -170,6 +173,8 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
         if len(row.output_token_ids) < p.min_tokens:
             ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(row.eos_token_ids)
             banned.extend(i * V + t for t in ids if t < V)  # ids past the vocabulary are never sampled anyway
+        if row.bad_words_token_ids:
+            banned.extend(i * V + t for t in banned_next_tokens(row.bad_words_token_ids, row.output_token_ids) if t < V)
         for t, b in p.logit_bias:
             if t < V:  # the frontend validates against the vocabulary; never fail a whole batch here
                 bias_at.append(i * V + t)

@@ -39,6 +39,7 @@ class Sequence:
         "prompt_token_ids",
         "output_token_ids",
         "params",
+        "bad_words_token_ids",
         "arrival",
         "num_computed_tokens",
         "status",
@@ -63,6 +64,7 @@ class Sequence:
         prompt_token_ids: tuple[int, ...],
         params: SamplingParams,
         arrival: int,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         assert len(prompt_token_ids) >= 1, "a sequence needs at least one prompt token"
         self.seq_id = seq_id  # engine-unique; the block manager's key
@@ -71,6 +73,7 @@ class Sequence:
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
+        self.bad_words_token_ids = bad_words_token_ids  # params.bad_words, tokenized (backend/bad_words.py)
         self.arrival = arrival  # FCFS order; siblings of one request share it
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING

@@ -175,6 +175,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token_id, bias) pairs
     allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else only these are sampled (vLLM's)
+    bad_words: tuple[str, ...] = ()  # words never generated (vLLM's; backend/bad_words.py)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
@@ -207,6 +208,12 @@ class SamplingParams:
         )
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _require(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words must be non-blank strings",
+            "bad_words",
+        )
+        _require(len(self.bad_words) <= 128, "at most 128 bad_words", "bad_words")
         _require(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
@@ -272,6 +279,8 @@ class SamplingParams:
             kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if "stop_token_ids" in kwargs:
             kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"] or ())
+        if isinstance(kwargs.get("bad_words"), list):
+            kwargs["bad_words"] = tuple(kwargs["bad_words"])
         if isinstance(kwargs.get("allowed_token_ids"), list):
             kwargs["allowed_token_ids"] = tuple(kwargs["allowed_token_ids"])
         if "logit_bias" in kwargs:
@@ -307,6 +316,7 @@ class SamplingParams:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["bad_words"] = list(self.bad_words)
         out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         if self.allowed_token_ids is None:
             del out["allowed_token_ids"]
@@ -330,6 +340,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
 
 @dataclass(frozen=True, slots=True)

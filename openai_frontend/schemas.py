@@ -73,6 +73,7 @@ class SamplingFields(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context window)
     min_tokens: int | None = None
     ignore_eos: bool | None = None

@@ -554,6 +554,8 @@ def _sampling_params(
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.allowed_token_ids is not None:
         kwargs["allowed_token_ids"] = tuple(req.allowed_token_ids)
+    if req.bad_words is not None:
+        kwargs["bad_words"] = tuple(req.bad_words)
     if req.logit_bias:
         try:
             kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))

@@ -87,6 +87,28 @@ def test_allowed_token_ids_restrict_every_sequence(engine):
         assert refused.value.param == "allowed_token_ids"
 
 
+def test_bad_words_are_never_generated(engine):
+    # A token pushed far above the others, then banned as a word: every sequence avoids it.
+    word = next(
+        t
+        for t in range(300, 2000)
+        if engine.tokenizer.encode(engine.tokenizer.decode([t]), add_special_tokens=False) == [t]
+    )
+    text = engine.tokenizer.decode([word])
+    pushed = {"logit_bias": {word: 100.0}, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    (msgs,) = generate(engine, **pushed).values()
+    assert tokens(msgs) == [word] * 4
+    for msgs in generate(engine, n=2, seed=5, bad_words=[text], **{**pushed, "temperature": 1.0}).values():
+        assert len(tokens(msgs)) == 4 and word not in tokens(msgs)
+    request = engine.make_request("bw", PROMPT, SamplingParams(bad_words=(text,)))
+    assert (word,) in request.bad_words_token_ids
+    params = SamplingParams.from_dict({"bad_words": [text]})
+    assert params.bad_words == (text,) and SamplingParams.from_dict(params.to_dict()) == params
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams.from_dict({"bad_words": ["  "]})
+    assert refused.value.param == "bad_words"
+
+
 def test_context_limits():
     engine = tiny_engine(max_model_len=32)
     with pytest.raises(InvalidRequestError, match="context") as refused:

@@ -655,13 +655,14 @@ async def test_sampling_params_reach_the_engine() -> None:
                 "ignore_eos": True,
                 "include_stop_str_in_output": True,
                 "allowed_token_ids": [7, 3],
+                "bad_words": ["foo", "bar baz"],
                 "best_of": 1,
                 "user": "u1",
             },
         )
     assert r.status_code == 200, r.text
     p = engine.calls[0].params
-    assert p.allowed_token_ids == (7, 3)
+    assert p.allowed_token_ids == (7, 3) and p.bad_words == ("foo", "bar baz")
     assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (4, 2, 0.0, 0.9, 5, 0.1, 7)
     assert p.stop == ("END",) and p.stop_token_ids == (2,) and p.logit_bias == ((3, 5.0), (10, -100.0))
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)

@@ -159,6 +159,21 @@ def test_truncate_prompt_tokens_runs_the_last_tokens(client, servers):
     assert whole.usage.prompt_tokens == len(ids) > 6
 
 
+def test_bad_words_are_not_generated(client, servers):
+    def greedy(**extra):
+        body = {"model": servers.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        r = httpx.post(f"{servers.base_url}/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    word = greedy()["text"].split()[0]  # the greedy answer's first word
+    banned = greedy(bad_words=[word])
+    for form in (word, " " + word):
+        ids = httpx.post(f"{servers.frontend.url}/tokenize", json={"prompt": form}, timeout=60).json()["tokens"]
+        out = banned["token_ids"]
+        assert all(out[i : i + len(ids)] != ids for i in range(len(out))), (form, ids, out)
+
+
 def test_echo_prepends_the_prompt(client, servers):
     out = client.completions.create(model=servers.model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
