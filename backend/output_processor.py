@@ -102,7 +102,6 @@ class OutputProcessor:
         assert seq.output_token_ids and seq.output_token_ids[-1] == tok.token_id, "the scheduler appends first"
         params = seq.params
         num_output = seq.num_output_tokens
-        token_text = seq.detokenizer.add_token(tok.token_id)
         may_stop = num_output >= params.min_tokens
 
         grammar_ended = grammar_broken = False
@@ -114,12 +113,13 @@ class OutputProcessor:
 
         finish: FinishReason | None = None
         stop_reason: str | int | None = None
+        stop_token = False  # the token ended the sequence as EOS or one of stop_token_ids
         if grammar_broken:
             finish = FinishReason.ABORT
         elif may_stop and not params.ignore_eos and tok.token_id in self.eos_token_ids:
-            finish = FinishReason.STOP
+            finish, stop_token = FinishReason.STOP, True
         elif may_stop and tok.token_id in params.stop_token_ids:
-            finish, stop_reason = FinishReason.STOP, tok.token_id
+            finish, stop_reason, stop_token = FinishReason.STOP, tok.token_id, True
         elif grammar_ended:  # its EOS was accepted: nothing may follow, whatever min_tokens or ignore_eos say
             finish = FinishReason.STOP
         elif (
@@ -127,11 +127,18 @@ class OutputProcessor:
         ) or seq.num_tokens >= self.max_model_len:
             finish = FinishReason.LENGTH
 
-        if finish is not None:
-            # What the detokenizer still held (an unfinished character) is this last token's text too,
-            # so the logprob tokens of a sequence join to its text.
-            token_text += seq.detokenizer.flush()
-        text = token_text
+        if stop_token and not params.include_stop_str_in_output:
+            # vLLM's rule: the token that stopped the sequence adds no text (its logprob entry keeps its
+            # own); what earlier tokens left unfinished still goes out.
+            text = seq.detokenizer.flush()
+            token_text = text + seq.detokenizer.add_token(tok.token_id) + seq.detokenizer.flush()
+        else:
+            token_text = seq.detokenizer.add_token(tok.token_id)
+            if finish is not None:
+                # What the detokenizer still held (an unfinished character) is this last token's text
+                # too, so the logprob tokens of a sequence join to its text.
+                token_text += seq.detokenizer.flush()
+            text = token_text
         if seq.stop_matcher is not None:
             matched = None
             if may_stop:  # before min_tokens the text bypasses the matcher

@@ -109,6 +109,26 @@ def test_bad_words_are_never_generated(engine):
     assert refused.value.param == "bad_words"
 
 
+def test_the_token_that_stops_a_sequence_adds_no_text_unless_asked(engine):
+    """vLLM's rule: an EOS or a stop_token_ids token ends the sequence without its text, unless
+    include_stop_str_in_output; its logprob entry keeps its text."""
+    eos = engine.tokenizer.eos_token_ids[0]
+    word = next(t for t in range(300, 2000) if engine.tokenizer.decode([t]).strip())
+    word_text = engine.tokenizer.decode([word])
+    eos_text = engine.tokenizer.decode([eos], skip_special_tokens=False)
+    base = {"max_tokens": 5, "logprobs": 0, "temperature": 0}
+    cases = [
+        ({"logit_bias": {word: 100.0}, "stop_token_ids": [word]}, word, word_text),
+        ({"logit_bias": {eos: 100.0}, "skip_special_tokens": False}, eos, eos_text),
+    ]
+    for extra, token, token_text in cases:
+        for include in (False, True):
+            (msgs,) = generate(engine, **base, **extra, include_stop_str_in_output=include).values()
+            assert tokens(msgs) == [token] and msgs[-1].finish_reason is FinishReason.STOP
+            assert msgs[-1].text_delta == (token_text if include else "")
+            assert msgs[-1].logprobs.token_texts == (token_text,)
+
+
 def test_context_limits():
     engine = tiny_engine(max_model_len=32)
     with pytest.raises(InvalidRequestError, match="context") as refused:

@@ -174,6 +174,22 @@ def test_bad_words_are_not_generated(client, servers):
         assert all(out[i : i + len(ids)] != ids for i in range(len(out))), (form, ids, out)
 
 
+def test_a_stop_token_adds_no_text_unless_include_stop_str_in_output(servers):
+    body = {"model": servers.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    first = httpx.post(f"{servers.base_url}/completions", json=body, timeout=60).json()["choices"][0]
+    token = first["token_ids"][0]
+    for include in (False, True):
+        r = httpx.post(
+            f"{servers.base_url}/completions",
+            json={**body, "stop_token_ids": [token], "include_stop_str_in_output": include, "logprobs": 0},
+            timeout=60,
+        )
+        choice = r.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"], choice["token_ids"]) == ("stop", token, [token])
+        assert choice["text"] == (choice["logprobs"]["tokens"][0] if include else "")
+        assert first["text"].startswith(choice["logprobs"]["tokens"][0])
+
+
 def test_echo_prepends_the_prompt(client, servers):
     out = client.completions.create(model=servers.model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
