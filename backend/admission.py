@@ -28,24 +28,26 @@ class AdmissionGroups:
 
     def joins_admitted(self, group: AdmissionGroup | None) -> bool:
         """Whether `group` had a member admitted already (and so this one skips the queue bound)."""
-        if group is None:
-            return False
-        entry = self._open.get(group.key)
-        return entry is not None and entry[1] > self._clock()
+        return group is not None and self._still_to_come(group.key, self._clock()) is not None
 
     def admitted(self, group: AdmissionGroup | None) -> None:
         """Counts one of `group`'s members in."""
         if group is None or group.size <= 1:
             return
         now = self._clock()
-        left, expires = self._open.get(group.key, (group.size, 0.0))
-        left = left - 1 if expires > now else group.size - 1
+        to_come = self._still_to_come(group.key, now)
+        left = (group.size if to_come is None else to_come) - 1
         if left <= 0:
             self._open.pop(group.key, None)
         else:
             self._open[group.key] = (left, now + GROUP_TTL_S)
         if len(self._open) >= _SWEEP_AT:
             self._open = {k: v for k, v in self._open.items() if v[1] > now}
+
+    def _still_to_come(self, key: str, now: float) -> int | None:
+        """How many of the group's members have not come yet (None: no open, unexpired group)."""
+        entry = self._open.get(key)
+        return entry[0] if entry is not None and entry[1] > now else None
 
     def __len__(self) -> int:
         return len(self._open)

@@ -130,14 +130,14 @@ class Service:
         needs_tokenizer = echo_ids or req.return_token_ids or keep is not None
         tokenizer = await self.tokenizers.get(model) if needs_tokenizer else None
         if keep is not None:  # a prompt that is cut goes as the ids kept, and echo shows their text
-            prompts = tuple(_truncated(p, tokenizer.encode, keep) for p in prompts)
+            prompts = tuple(_engine_prompt(p, tokenizer.encode, keep, as_ids=False) for p in prompts)
         echo_texts = None
         if req.echo:
             echo_texts = tuple(
                 p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts
             )
         if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
-            prompts = tuple(tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts)
+            prompts = tuple(_engine_prompt(p, tokenizer.encode, None, as_ids=True) for p in prompts)
         return _Plan(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -302,11 +302,8 @@ class Service:
         )
         keep = _kept_prompt_tokens(req, model)
         if req.return_token_ids or keep is not None:
-            ids = tuple((await self.tokenizers.get(model)).encode(prompt))
-            if keep is not None and len(ids) > keep:
-                prompt = ids[-keep:]
-            elif req.return_token_ids:
-                prompt = ids
+            encode = (await self.tokenizers.get(model)).encode
+            prompt = _engine_prompt(prompt, encode, keep, as_ids=bool(req.return_token_ids))
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else None
         return _Plan(
@@ -493,10 +490,21 @@ def _kept_prompt_tokens(req: SamplingFields, model: ModelInfo) -> int | None:
     return k
 
 
-def _truncated(prompt: str | tuple[int, ...], encode: Callable[[str], list[int]], keep: int) -> str | tuple[int, ...]:
-    """The prompt's last `keep` tokens (from the left, as vLLM cuts); a prompt that fits stays as given."""
-    ids = tuple(encode(prompt)) if isinstance(prompt, str) else prompt
-    return prompt if len(ids) <= keep else ids[-keep:]
+def _engine_prompt(
+    prompt: str | tuple[int, ...], encode: Callable[[str], list[int]], keep: int | None, as_ids: bool
+) -> str | tuple[int, ...]:
+    """What the engine is sent for `prompt`: its last `keep` tokens where it has more (vLLM's
+    truncate_prompt_tokens cuts from the left), as ids where `as_ids` (return_token_ids), otherwise the
+    prompt as given. A text prompt is tokenized once, and only when one of them asks for it."""
+    if isinstance(prompt, str):
+        if keep is None and not as_ids:
+            return prompt
+        ids = tuple(encode(prompt))
+    else:
+        ids = prompt
+    if keep is not None and len(ids) > keep:
+        return ids[-keep:]
+    return ids if as_ids else prompt
 
 
 def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | tuple[int, ...], ...]:
