@@ -198,6 +198,11 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -212,6 +217,37 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the model continues the last message instead of starting a new one
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    # OpenAI parameters that change nothing this server produces, accepted (as OpenAI and vLLM accept
+    # them) so that clients which set them are served: nothing is stored, as there is no endpoint that
+    # reads a completion back; there is one service tier; the prefix cache needs no key; a predicted
+    # output only shortens OpenAI's latency, never changes the output.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: str | None = None  # `user`'s successor
+    prediction: Prediction | None = None
+    modalities: list[str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_openai_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and (
+            len(value) > 16 or any(len(k) > 64 for k in value) or any(len(v) > 512 for v in value.values())
+        ):
+            raise InvalidRequest(
+                "metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512",
+                "metadata",
+            )
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_output_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise InvalidRequest('this model only writes text: modalities may hold only "text"', "modalities")
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:

@@ -254,6 +254,58 @@ async def test_unknown_fields_inside_messages_are_ignored_but_not_at_the_top() -
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_field"
 
 
+OPENAI_FIELDS_WITHOUT_EFFECT = {
+    "store": True,
+    "metadata": {"team": "search", "run": "7"},
+    "service_tier": "flex",
+    "prompt_cache_key": "user-42",
+    "prompt_cache_retention": "24h",
+    "safety_identifier": "hashed-user",
+    "prediction": {"type": "content", "content": [{"type": "text", "text": "Paris"}]},
+    "modalities": ["text"],
+}
+
+
+async def test_openai_fields_without_effect_are_accepted_and_change_nothing() -> None:
+    engine = FakeEngineClient()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "seed": 3}
+    async with make_client(engine) as client:
+        plain = await client.post("/v1/chat/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        r = await client.post("/v1/chat/completions", json={**body, **OPENAI_FIELDS_WITHOUT_EFFECT})
+        assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain.json()["choices"]
+    first, second = engine.calls
+    assert (second.prompt, second.params) == (first.prompt, first.params)
+
+
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("metadata", {f"k{i}": "v" for i in range(17)}, "metadata"),
+        ("metadata", {"k" * 65: "v"}, "metadata"),
+        ("metadata", {"k": "v" * 513}, "metadata"),
+        ("metadata", {"k": 1}, "metadata.k"),
+        ("modalities", ["text", "audio"], "modalities"),
+        ("service_tier", "fastest", "service_tier"),
+        ("prediction", {"type": "content"}, "prediction.content"),
+        ("store", "maybe", "store"),
+        # OpenAI's own answer for a model that does not reason / speak / search:
+        ("reasoning_effort", "low", "reasoning_effort"),
+        ("audio", {"voice": "alloy", "format": "wav"}, "audio"),
+        ("web_search_options", {}, "web_search_options"),
+    ],
+)
+async def test_openai_fields_out_of_reach_are_400(field, value, param) -> None:
+    engine = FakeEngineClient()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], field: value}
+    async with make_client(engine) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert engine.calls == []
+
+
 async def test_chat_continuous_usage_counts_only_what_was_sent() -> None:
     engine = FakeEngineClient()
     events = await stream(
