@@ -106,7 +106,16 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
     unknown = [where(e) for e in errors if e.get("type") == "extra_forbidden"]
     malformed = next((e for e in errors if e.get("type") == "json_invalid"), None)
-    if malformed is not None:  # its loc is a character offset, not a field
+    not_an_object = any(tuple(e.get("loc", ())) == ("body",) for e in errors)
+    if not_an_object:  # e.g. `curl -d` without a JSON content type: FastAPI hands over the raw bytes
+        content_type = request.headers.get("content-type", "")
+        hint = (
+            ""
+            if "json" in content_type
+            else f" (it came as {content_type or 'no content type'}; send it as application/json)"
+        )
+        error = InvalidRequest(f"The request body must be a JSON object{hint}")
+    elif malformed is not None:  # its loc is a character offset, not a field
         loc = malformed.get("loc", ())
         detail = (malformed.get("ctx") or {}).get("error", malformed.get("msg", "invalid JSON"))
         at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""

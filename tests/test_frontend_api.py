@@ -627,6 +627,16 @@ async def test_unknown_fields_are_400_naming_them() -> None:
         error = r.json()["error"]  # the decoder's offset is not a field
         assert error["param"] is None and error["message"].startswith("The request body is not valid JSON")
         assert "at character 1" in error["message"]
+        for content, content_type, hint in [
+            (b"[1, 2]", "application/json", False),
+            (b"null", "application/json", False),
+            (b'{"model": "x", "prompt": "y"}', "application/x-www-form-urlencoded", True),  # curl -d, no -H
+        ]:
+            r = await client.post("/v1/completions", content=content, headers={"content-type": content_type})
+            assert r.status_code == 400
+            error = r.json()["error"]
+            assert error["message"].startswith("The request body must be a JSON object") and error["param"] is None
+            assert ("send it as application/json" in error["message"]) == hint, error
         r = await client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
