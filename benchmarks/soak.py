@@ -4,13 +4,18 @@
     python benchmarks/soak.py --url http://127.0.0.1:9000 --triton-metrics http://127.0.0.1:8002/metrics
 
 Each worker loops over random requests: completions and chat, streamed and not, n 1-3, logprobs on
-and off, stop strings, include_usage; streams the client drops after a few chunks; and now and then
+and off, stop strings, include_usage; in four requests of ten a random one to three of the other
+request fields (logit_bias, allowed_token_ids, bad_words, min_tokens, the penalties, top_k / top_p /
+min_p, stop_token_ids, include_stop_str_in_output, skip_special_tokens false, ignore_eos,
+truncate_prompt_tokens, return_token_ids, a JSON or choice constraint, echo); completions with one
+to three prompts (one admission group); streams the client drops after a few chunks; and now and then
 an oversized body (expects 413) or an invalid one (expects 400). Every stream is checked as a client
 would: well-formed SSE ending in [DONE], each choice finishing once, usage equal to the tokens seen,
 logprob tokens joining to the text. At the end, once the engine is idle: KV blocks in use (must be 0)
 and the frontend's integrity-violation counter (must not move).
 
-Printed: {"requests", "ok", "expected_errors", "errors" (by kind: must be empty), "violations",
+Printed: {"requests", "ok", "expected_errors", "errors" (by kind: must be empty), "error_examples",
+"violations", "violation_examples",
 "kv_blocks_in_use", "rss_mb": {"frontend": [start, end], "stub": [start, end]}, ...}.
 """
 
@@ -43,6 +48,43 @@ PROMPTS = [
     "1, 2, 3,",
 ]
 STOPS = [None, ["\n"], [".", "!"], ["the"]]
+VOCAB = 49152  # the default model's; ids below it are all valid
+EOS = 2  # <|im_end|>, the default model's EOS
+
+
+def sampling_extras(rng: random.Random, chat: bool, max_tokens: int) -> tuple[dict[str, Any], bool]:
+    """A random few of the engine's other request fields, so that they meet each other (and n, logprobs,
+    stops, disconnects) under load: the sampler's processors, structured output, batched prompts.
+    Returns (fields, whether logprob tokens must still join to the text: a stop token's text and
+    echo's prompt are the documented exceptions)."""
+    choices: dict[str, Any] = {
+        "logit_bias": lambda: {str(rng.randrange(VOCAB)): rng.uniform(-100, 100) for _ in range(rng.randint(1, 4))},
+        "allowed_token_ids": lambda: rng.sample(range(VOCAB), rng.randint(1, 40)) + [EOS] * rng.randint(0, 1),
+        "bad_words": lambda: rng.sample(["the", " the", "Paris", "is a", "colors", "1, 2"], rng.randint(1, 3)),
+        "min_tokens": lambda: rng.randint(0, max_tokens),
+        "presence_penalty": lambda: rng.uniform(-2, 2),
+        "frequency_penalty": lambda: rng.uniform(-2, 2),
+        "repetition_penalty": lambda: rng.uniform(0.5, 2),
+        "top_k": lambda: rng.choice([-1, 1, 5, 50]),
+        "top_p": lambda: rng.uniform(0.05, 1),
+        "min_p": lambda: rng.uniform(0, 0.5),
+        "stop_token_ids": lambda: [rng.randrange(VOCAB) for _ in range(3)] + [13],  # 13: a common piece
+        "include_stop_str_in_output": lambda: True,
+        "skip_special_tokens": lambda: False,
+        "ignore_eos": lambda: True,
+        "truncate_prompt_tokens": lambda: rng.randint(1, 6),
+        "return_token_ids": lambda: True,
+        "response_format": lambda: {"type": "json_object"},
+        "structured_outputs": lambda: {"choice": ["yes", "no", "maybe not"]},
+    }
+    if not chat:
+        choices["echo"] = lambda: True
+    picked = rng.sample(sorted(choices), rng.randint(1, 3))
+    if "response_format" in picked and "structured_outputs" in picked:
+        picked.remove("structured_outputs")
+    fields = {name: choices[name]() for name in picked}
+    joins = not ({"stop_token_ids", "skip_special_tokens", "echo"} & fields.keys())
+    return fields, joins
 
 
 @dataclass
@@ -52,6 +94,7 @@ class Tally:
     expected_errors: Counter = field(default_factory=Counter)  # 413 / 400 asked for, disconnects
     errors: Counter = field(default_factory=Counter)  # anything else: must stay empty
     violations: list[str] = field(default_factory=list)  # client-side checks of the streams
+    error_examples: list[str] = field(default_factory=list)
 
 
 def metric(url: str, name: str) -> float:
@@ -150,6 +193,8 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
         "stop": rng.choice(STOPS),
     }
     chat = kind == "chat"
+    extras, joins = sampling_extras(rng, chat, body["max_tokens"]) if rng.random() < 0.4 else ({}, True)
+    body |= extras
     if chat:
         body |= {
             "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
@@ -158,7 +203,10 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
         }
         path = "/v1/chat/completions"
     else:
-        body |= {"prompt": rng.choice(PROMPTS), "logprobs": rng.choice([0, 2]) if logprobs else None}
+        prompts = rng.sample(PROMPTS, rng.choice([1, 1, 1, 2, 3]))  # several: one admission group
+        body |= {"prompt": prompts if len(prompts) > 1 else prompts[0]}
+        body |= {"logprobs": rng.choice([0, 2]) if logprobs else None}
+        n *= len(prompts)
         path = "/v1/completions"
     stream = kind in ("stream", "disconnect") or (chat and rng.random() < 0.5)
     if not stream:
@@ -167,12 +215,14 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
             tally.ok += 1
         else:
             tally.errors[f"{kind}->{r.status_code}"] += 1
+            tally.error_examples.append(f"{r.status_code} {r.text[:200]} for {json.dumps(body)[:400]}")
         return
     body |= {"stream": True, "stream_options": {"include_usage": include_usage}}
     events: list[Any] = []
     async with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             tally.errors[f"{kind}->{r.status_code}"] += 1
+            tally.error_examples.append(f"{r.status_code} {(await r.aread())[:200]!r} for {json.dumps(body)[:400]}")
             return
         drop_after = rng.randint(1, 4) if kind == "disconnect" else None
         async for line in r.aiter_lines():
@@ -181,9 +231,10 @@ async def one_request(http: httpx.AsyncClient, model: str, rng: random.Random, t
                 if drop_after is not None and len(events) >= drop_after:
                     tally.expected_errors["disconnect"] += 1
                     return  # leaving the block closes the connection: the server must cancel the work
-    problems = check_stream(events, n, include_usage, logprobs, chat, body["stop"] is not None)
+    logprobs = logprobs and not body.get("echo")  # echo's logprobs hold the prompt's tokens too
+    problems = check_stream(events, n, include_usage, logprobs, chat, body["stop"] is not None or not joins)
     if problems:
-        tally.violations.extend(problems)
+        tally.violations.extend(f"{p} ({json.dumps(body)[:300]})" for p in problems)
     else:
         tally.ok += 1
 
@@ -230,6 +281,7 @@ async def soak(
         "violations": len(tally.violations)
         + int(metric(f"{url}/metrics", "frontend_stream_integrity_violations_total") - violations_before),
         "violation_examples": tally.violations[:5],
+        "error_examples": tally.error_examples[:5],
         "kv_blocks_in_use": kv_in_use,
         "rss_mb": {
             name: [start, rss_mb(pid)] for (name, start), pid in zip(rss_start.items(), (frontend_pid, stub_pid))
