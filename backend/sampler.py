@@ -10,7 +10,7 @@
         ├─ logit_bias: added to the logits
         ├─ repetition_penalty (prompt + output tokens): positive logits / p, negative logits * p
         ├─ frequency / presence penalty (output tokens): - f * count - p * (count > 0)
-        ├─ allowed_token_ids: every other token gets -inf (where min_tokens banned all the allowed
+        ├─ allowed_token_ids: every other token gets -inf (where min_tokens or bad_words banned all the allowed
         │  ones, the row samples the allowed ones from their raw logits)
         ├─ structured outputs: tokens the row's grammar forbids get -inf (TokenBitmask)
         ▼
@@ -211,7 +211,7 @@ def _apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torc
         if ids.numel() == 0:  # (the engine refuses ids past the vocabulary; never fail a whole batch here)
             continue
         kept = out[i, ids]
-        if not bool((kept > -math.inf).any()):  # min_tokens banned every allowed token: they win, raw
+        if not bool((kept > -math.inf).any()):  # min_tokens / bad_words banned all allowed: they win, raw
             kept = raw[i, ids]
         out[i] = -math.inf
         out[i, ids] = kept

@@ -230,7 +230,7 @@ def test_allowed_token_ids_keep_only_those_tokens():
     assert drawn <= set(allowed) and len(drawn) > 1
 
 
-def test_allowed_token_ids_win_over_min_tokens_when_it_banned_them_all():
+def test_allowed_token_ids_win_over_min_tokens_or_bad_words_when_they_banned_them_all():
     x = torch.zeros(1, 10)
     x[0, 5] = 9.0
     x[0, 3] = 1.0
@@ -238,6 +238,13 @@ def test_allowed_token_ids_win_over_min_tokens_when_it_banned_them_all():
     assert Sampler().sample(x, [row(p, output=())])[0].token_id == 3  # EOS banned, 3 allowed
     p = SamplingParams(temperature=0.0, min_tokens=2, allowed_token_ids=(EOS,))
     assert Sampler().sample(x, [row(p, output=())])[0].token_id == EOS  # nothing else is allowed
+    # bad_words banning every allowed token: the allowed set still wins (an all -inf row has no answer)
+    p = SamplingParams(temperature=0.0, allowed_token_ids=(3,))
+    banned = SamplingRow(p, None, (5, 6), (), (EOS,), bad_words_token_ids=((3,),))
+    assert Sampler().sample(x, [banned])[0].token_id == 3
+    p = SamplingParams(temperature=0.0, allowed_token_ids=(3, 7))
+    banned = SamplingRow(p, None, (5, 6), (), (EOS,), bad_words_token_ids=((3,),))
+    assert Sampler().sample(x, [banned])[0].token_id == 7  # one allowed token left: the ban holds
 
 
 def test_repetition_penalty_discourages_seen_tokens():
