@@ -103,7 +103,7 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[
     log_norm = raw.logsumexp(dim=-1, keepdim=True)  # (R, 1)
     chosen = raw.gather(1, token_ids[:, None])  # (R, 1)
     logprobs = (chosen - log_norm).squeeze(1).tolist()  # (R,)
-    ranks = ((raw > chosen).sum(dim=1) + 1).tolist()  # (R,)
+    ranks = ((raw > chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()  # (R,); int32: bools summed into int64 are slow
     k = min(k, raw.shape[1])
     if k == 0:
         return [TokenScore(lp, rank) for lp, rank in zip(logprobs, ranks)]
