@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-frontend-ab bench-structured perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-frontend-ab bench-structured bench-score perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -66,6 +66,10 @@ bench-frontend-ab: cpu-kernels
 # Output tok/s at concurrency 8 with a json_schema constraint against the same load without one (same run).
 bench-structured: cpu-kernels
 	$(PY) benchmarks/serve_bench.py --structured --concurrency 8 --requests 16 --skip-inprocess
+
+# Scoring prompts as lm-eval's loglikelihood requests do (echo + logprobs), served, against transformers.
+bench-score: cpu-kernels
+	$(PY) benchmarks/score_bench.py $(ARGS)
 
 perf: venv
 	$(PY) -m scripts.perf_tools perf
