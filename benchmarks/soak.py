@@ -7,7 +7,8 @@ Each worker loops over random requests: completions and chat, streamed and not, 
 and off, stop strings, include_usage; in four requests of ten a random one to three of the other
 request fields (logit_bias, allowed_token_ids, bad_words, min_tokens, the penalties, top_k / top_p /
 min_p, stop_token_ids, include_stop_str_in_output, skip_special_tokens false, ignore_eos,
-truncate_prompt_tokens, return_token_ids, a JSON or choice constraint, echo); completions with one
+truncate_prompt_tokens, return_token_ids, a JSON or choice constraint, echo, chat tools with
+tool_choice auto, required or named); completions with one
 to three prompts (one admission group); streams the client drops after a few chunks; and now and then
 an oversized body (expects 413) or an invalid one (expects 400). Every stream is checked as a client
 would: well-formed SSE ending in [DONE], each choice finishing once, usage equal to the tokens seen,
@@ -48,6 +49,14 @@ PROMPTS = [
     "1, 2, 3,",
 ]
 STOPS = [None, ["\n"], [".", "!"], ["the"]]
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Looks a word up",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
 VOCAB = 49152  # the default model's; ids below it are all valid
 EOS = 2  # <|im_end|>, the default model's EOS
 
@@ -77,12 +86,21 @@ def sampling_extras(rng: random.Random, chat: bool, max_tokens: int) -> tuple[di
         "response_format": lambda: {"type": "json_object"},
         "structured_outputs": lambda: {"choice": ["yes", "no", "maybe not"]},
     }
-    if not chat:
+    if chat:
+        choices["tools"] = lambda: rng.choice(
+            ["auto", "required", {"type": "function", "function": {"name": "lookup"}}]
+        )
+    else:
         choices["echo"] = lambda: True
     picked = rng.sample(sorted(choices), rng.randint(1, 3))
     if "response_format" in picked and "structured_outputs" in picked:
         picked.remove("structured_outputs")
     fields = {name: choices[name]() for name in picked}
+    if "tools" in fields:  # one function; tool_choice drawn above
+        fields["tool_choice"] = fields.pop("tools")
+        fields["tools"] = [LOOKUP_TOOL]
+        fields.pop("response_format", None)  # (a 400 with a tool_choice that makes a call)
+        fields.pop("structured_outputs", None)
     joins = not ({"stop_token_ids", "skip_special_tokens", "echo"} & fields.keys())
     return fields, joins
 
