@@ -8,9 +8,9 @@ and off, stop strings, include_usage; in four requests of ten a random one to th
 request fields (logit_bias, allowed_token_ids, bad_words, min_tokens, the penalties, top_k / top_p /
 min_p, stop_token_ids, include_stop_str_in_output, skip_special_tokens false, ignore_eos,
 truncate_prompt_tokens, return_token_ids, a JSON or choice constraint, echo, chat tools with
-tool_choice auto, required or named); completions with one
-to three prompts (one admission group); streams the client drops after a few chunks; and now and then
-an oversized body (expects 413) or an invalid one (expects 400). Every stream is checked as a client
+tool_choice auto, required or named); completions with one to three prompts (one admission group);
+streams the client drops after a few chunks; and now and then an oversized body (expects 413) or an
+invalid one (expects 400). Every stream is checked as a client
 would: well-formed SSE ending in [DONE], each choice finishing once, usage equal to the tokens seen,
 logprob tokens joining to the text. At the end, once the engine is idle: KV blocks in use (must be 0)
 and the frontend's integrity-violation counter (must not move).
