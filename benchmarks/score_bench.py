@@ -11,8 +11,12 @@ prefix cache (prompt-logprob requests do not read it anyway). The peer scores th
 same process afterwards, as lm-eval's `hf` model does: transformers forward passes over batches of
 `--batch`, log-softmax, the logprob of each next token and the top-1 at each position.
 
-Printed: prompt tokens scored per second each way and their ratio, and the largest difference between
-the two sides' token logprobs (a check that both scored the same thing).
+Between the two, the engine alone (`LLMEngine` with config.pbtxt's settings, in this process, the
+frontend's engine settings for such a request, as many prompts in flight as the served side) scores
+them too: what the served path costs.
+
+Printed: prompt tokens scored per second each way and the ratios, and the largest difference between
+the served and transformers token logprobs (a check that both scored the same thing).
 """
 
 from __future__ import annotations
@@ -65,6 +69,31 @@ async def score_served(
     return seconds, [lp for rs in results for lp in rs]
 
 
+def score_in_process(engine, prompts: list[list[int]], in_flight: int) -> float:
+    """Seconds for the engine alone to score `prompts` with the frontend's settings for lm-eval's
+    requests, `in_flight` prompts at a time (what the served side keeps in flight)."""
+    from backend.types import SamplingParams, StepOutput
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    pending = list(range(len(prompts)))
+    run = time.monotonic_ns()
+
+    def submit() -> None:
+        i = pending.pop(0)
+        engine.add_request(engine.make_request(f"score-{run}-{i}", prompts[i], params))
+
+    start = time.perf_counter()
+    for _ in range(min(in_flight, len(pending))):
+        submit()
+    while engine.has_work():
+        for out in engine.step():
+            if not isinstance(out, StepOutput):
+                raise RuntimeError(f"in-process scoring failed: {out}")
+            if out.request_finished and pending:
+                submit()
+    return time.perf_counter() - start
+
+
 def score_transformers(model, prompts: list[list[int]], batch: int) -> tuple[float, list[list[float | None]]]:
     """(seconds, each prompt's token logprobs): lm-eval's hf model's work for equal-length prompts."""
     out: list[list[float | None]] = []
@@ -79,8 +108,11 @@ def score_transformers(model, prompts: list[list[int]], batch: int) -> tuple[flo
     return time.perf_counter() - start, out
 
 
-def largest_difference(a: list[list[float | None]], b: list[list[float | None]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True) if x is not None)
+def largest_difference(a: list[list[float | None]], b: list[list[float | None]]) -> tuple[float, float]:
+    """The largest |a - b| over all tokens, and b's logprob there (a very unlikely token differs more)."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True) if x is not None]
+    x, y = max(pairs, key=lambda p: abs(p[0] - p[1]))
+    return abs(x - y), y
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +151,27 @@ def main(argv: list[str] | None = None) -> int:
             served_s, served_lp = served(frontend.url.rstrip("/").removesuffix("/v1"))
     print(f"served       {tokens} prompt tokens in {served_s:.2f} s = {tokens / served_s:.0f} tok/s", flush=True)
 
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(), checkpoint=checkpoint)  # config.pbtxt's settings
+    score_in_process(engine, warm, 2)  # not measured
+    in_process_s = score_in_process(engine, prompts, args.batch * args.concurrency)
+    del engine
+    print(
+        f"in-process   {tokens} prompt tokens in {in_process_s:.2f} s = {tokens / in_process_s:.0f} tok/s", flush=True
+    )
+
     model = build_hf_model(checkpoint.config, checkpoint.state_dict)
     score_transformers(model, warm, 2)  # not measured
     hf_s, hf_lp = score_transformers(model, prompts, args.batch)
     print(f"transformers {tokens} prompt tokens in {hf_s:.2f} s = {tokens / hf_s:.0f} tok/s", flush=True)
-    diff = largest_difference(served_lp, hf_lp)
+    diff, where = largest_difference(served_lp, hf_lp)
     ratio = hf_s / served_s
-    print(f"served / transformers: {ratio:.2f}x; largest token logprob difference {diff:.2e}")
+    print(
+        f"served / in-process: {in_process_s / served_s:.2f}; served / transformers: {ratio:.2f}x; "
+        f"largest token logprob difference {diff:.2e} (at logprob {where:.1f})"
+    )
     print(
         json.dumps(
             {
@@ -134,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": args.batch,
                 "concurrency": args.concurrency,
                 "served_tok_s": round(tokens / served_s, 1),
+                "in_process_tok_s": round(tokens / in_process_s, 1),
+                "served_over_in_process": round(in_process_s / served_s, 3),
                 "transformers_tok_s": round(tokens / hf_s, 1),
                 "served_over_transformers": round(ratio, 3),
                 "max_logprob_difference": diff,
+                "at_logprob": where,
             }
         )
     )
