@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_bench import make_prompts
+from benchmarks.serve_bench import make_prompts, run_inprocess_level
 from scripts.servers import DEFAULT_MODEL, REPO_ROOT, running_servers
 
 
@@ -72,26 +72,16 @@ async def score_served(
 def score_in_process(engine, prompts: list[list[int]], in_flight: int) -> float:
     """Seconds for the engine alone to score `prompts` with the frontend's settings for lm-eval's
     requests, `in_flight` prompts at a time (what the served side keeps in flight)."""
-    from backend.types import SamplingParams, StepOutput
+    from backend.types import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
-    pending = list(range(len(prompts)))
-    run = time.monotonic_ns()
-
-    def submit() -> None:
-        i = pending.pop(0)
-        engine.add_request(engine.make_request(f"score-{run}-{i}", prompts[i], params))
-
     start = time.perf_counter()
-    for _ in range(min(in_flight, len(pending))):
-        submit()
-    while engine.has_work():
-        for out in engine.step():
-            if not isinstance(out, StepOutput):
-                raise RuntimeError(f"in-process scoring failed: {out}")
-            if out.request_finished and pending:
-                submit()
-    return time.perf_counter() - start
+    records = run_inprocess_level(engine, prompts, 1, in_flight, params)
+    seconds = time.perf_counter() - start
+    failed = [r.error for r in records if r.error]
+    if failed:
+        raise RuntimeError(f"in-process scoring failed: {failed[0]}")
+    return seconds
 
 
 def score_transformers(model, prompts: list[list[int]], batch: int) -> tuple[float, list[list[float | None]]]:

@@ -412,8 +412,14 @@ def perf_analyzer_level(args, grpc_url: str, engine_prompts: list[str], c: int, 
 # ------------------------------------------------------------------------------------------ in-process
 
 
-def run_inprocess_level(engine, prompt_ids: list[list[int]], max_tokens: int, concurrency: int) -> list[RequestRecord]:
+def run_inprocess_level(
+    engine, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, params=None
+) -> list[RequestRecord]:
+    """The prompts through the engine alone, `concurrency` in flight, each finished one replaced by the
+    next; `params` (SamplingParams) default to `max_tokens` tokens with ignore_eos."""
     from backend.types import SamplingParams, StepOutput
+
+    params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
     pending = list(range(len(prompt_ids)))
     records: dict[str, RequestRecord] = {}
@@ -421,7 +427,6 @@ def run_inprocess_level(engine, prompt_ids: list[list[int]], max_tokens: int, co
 
     def submit(i: int) -> None:
         rid = f"bench-{i}-{time.monotonic_ns()}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         records[rid] = RequestRecord(sent=time.perf_counter(), prompt_tokens=len(prompt_ids[i]))
         engine.add_request(engine.make_request(rid, prompt_ids[i], params))
 
