@@ -209,7 +209,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    # OpenAI's bounds: an empty list is a 400 there (and in vLLM), as is a 129th tool.
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's chat template controls.
@@ -278,7 +279,7 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)  # as chat's
     return_token_strs: bool = False
 
 

@@ -277,6 +277,8 @@ async def test_tokenize_detokenize_and_tokenizer_info() -> None:
     assert error["error"]["param"] == "tokens" and str(TOKENIZER.vocab_size) in error["error"]["message"]
     error = await post(eng, "/tokenize", {"prompt": "x", "bogus": 1}, 400)
     assert error["error"]["param"] == "bogus"
+    error = await post(eng, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "tools": []}, 400)
+    assert error["error"]["param"] == "tools"
     async with make_client(eng) as client:
         info = (await client.get("/tokenizer_info")).json()
         assert (await client.get("/tokenizer_info", params={"model": "nope"})).status_code == 404

@@ -93,6 +93,9 @@ async def test_each_spelling_reaches_the_engine_as_one_constraint(path, body, ex
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": []}, "tools"),  # OpenAI's and vLLM's answer too
+        ({"tools": [], "tool_choice": "none"}, "tools"),
+        ({"tools": [WEATHER] * 129}, "tools"),  # OpenAI's limit is 128
     ],
 )
 async def test_bad_constraints_are_400s_that_name_the_field(body, param):
