@@ -9,7 +9,7 @@ OpenAI-only rules.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -189,6 +189,10 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+# OpenAI's bounds: an empty list is a 400 there (and in vLLM), as is a 129th tool.
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=128)]
+
+
 class NamedFunction(_Strict):
     name: str
 
@@ -209,8 +213,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # OpenAI's bounds: an empty list is a 400 there (and in vLLM), as is a 129th tool.
-    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's chat template controls.
@@ -279,7 +282,7 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)  # as chat's
+    tools: Tools | None = None
     return_token_strs: bool = False
 
 
