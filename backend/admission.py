@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from backend.types import AdmissionGroup
+from protocol import AdmissionGroup
 
 GROUP_TTL_S = 60.0
 # Expired groups are looked for once this many are open (a few at a time is the usual case).

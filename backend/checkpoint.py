@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.model_files import cache_dir, gguf_cache_key, resolve_source, smollm2_gguf_path  # noqa: F401 (re-exported)
 from backend.models import LlamaConfig, ModelConfig, config_from_hf
-from backend.tokenizer import Tokenizer, can_build_gguf_bpe
+from tokenization.model_files import cache_dir, gguf_cache_key, resolve_source, smollm2_gguf_path  # noqa: F401 (re-exported)
+from tokenization.tokenizer import Tokenizer, can_build_gguf_bpe
 
 log = logging.getLogger(__name__)
 

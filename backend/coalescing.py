@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-from backend.types import EngineOutput, RequestFailure, StepOutput, TokenLogprobs
+from protocol import EngineOutput, RequestFailure, StepOutput, TokenLogprobs
 
 Sink = TypeVar("Sink")
 

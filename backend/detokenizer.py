@@ -26,7 +26,7 @@ drops such tokens before joining the rest, so leaving it out changes nothing, an
 not grow while a model emits special tokens.
 
 `tokenizer` needs only `decode(ids, skip_special_tokens=...) -> str` and
-`special_token_ids: frozenset[int]` (backend.tokenizer.Tokenizer has both).
+`special_token_ids: frozenset[int]` (tokenization.tokenizer.Tokenizer has both).
 """
 
 from __future__ import annotations

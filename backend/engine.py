@@ -26,7 +26,8 @@ from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
 from backend.structured_output import GrammarState, StructuredOutputCompiler
-from backend.types import (
+from kernels import cpu_kernels
+from protocol import (
     AdmissionGroup,
     EngineOutput,
     EngineOverloaded,
@@ -35,7 +36,6 @@ from backend.types import (
     RequestFailure,
     SamplingParams,
 )
-from kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from backend.coalescing import PendingResponses, StreamInterval
-from backend.types import (
+from protocol import (
     AdmissionGroup,
     EngineOutput,
     GenerateRequest,

@@ -73,7 +73,7 @@ class ModelRunner:
         self._grad_mode = torch.no_grad if compile_decode else torch.inference_mode
         if compile_decode:
             # Imported here: it imports torch._dynamo, which imports triton, which must not happen
-            # before a test process sets TRITON_INTERPRET (tests/test_kernels.py).
+            # before a test process sets TRITON_INTERPRET (tests/kernels/test_triton_kernels.py).
             from backend import compiled_decode
 
             self.decode_forward = compiled_decode.compile_decode_forward(model)

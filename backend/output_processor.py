@@ -18,9 +18,9 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import PromptScores, RunnerOutput
 from backend.sampler import SampledToken
 from backend.sequence import Sequence
-from backend.stop_strings import StopStringMatcher
-from backend.tokenizer import Tokenizer
-from backend.types import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
+from protocol import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
+from tokenization.stop_strings import StopStringMatcher
+from tokenization.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

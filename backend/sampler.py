@@ -51,8 +51,8 @@ import torch
 
 from backend.bad_words import banned_next_tokens
 from backend.structured_output import TokenBitmask
-from backend.types import MAX_LOGPROBS, SamplingParams
 from kernels import cpu_kernels
+from protocol import MAX_LOGPROBS, SamplingParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF

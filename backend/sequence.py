@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from backend.types import FinishReason, SamplingParams
+from protocol import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):

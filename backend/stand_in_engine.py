@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from backend.engine import EngineStats
-from backend.types import (
+from protocol import (
     AdmissionGroup,
     EngineOutput,
     FinishReason,

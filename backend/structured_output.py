@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backend.types import InvalidRequestError, StructuredOutputs
+from protocol import InvalidRequestError, StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from backend.tokenizer import Tokenizer
+    from tokenization.tokenizer import Tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept (xgrammar's own compiler cache sits behind this one)
 # Whitespace between JSON tokens, when free whitespace is allowed: more than this in one place is

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend.checkpoint import load_checkpoint
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.types import SamplingParams, StepOutput
 from benchmarks.bandwidth import measure_read_bandwidth_gb_s
 from benchmarks.hf_peer import build_hf_model
 from kernels import cpu_kernels
+from protocol import SamplingParams, StepOutput
 
 WORDS = (
     "alpha river stone light quick brown fox jumps over lazy dog market signal garden orbit paper "

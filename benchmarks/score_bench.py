@@ -72,7 +72,7 @@ async def score_served(
 def score_in_process(engine, prompts: list[list[int]], in_flight: int) -> float:
     """Seconds for the engine alone to score `prompts` with the frontend's settings for lm-eval's
     requests, `in_flight` prompts at a time (what the served side keeps in flight)."""
-    from backend.types import SamplingParams
+    from protocol import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
     start = time.perf_counter()

@@ -417,7 +417,7 @@ def run_inprocess_level(
 ) -> list[RequestRecord]:
     """The prompts through the engine alone, `concurrency` in flight, each finished one replaced by the
     next; `params` (SamplingParams) default to `max_tokens` tokens with ignore_eos."""
-    from backend.types import SamplingParams, StepOutput
+    from protocol import SamplingParams, StepOutput
 
     params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from backend.types import STRUCTURED_OUTPUT_KINDS, InvalidRequestError, StructuredOutputs
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import SamplingFields
+from protocol import STRUCTURED_OUTPUT_KINDS, InvalidRequestError, StructuredOutputs
 
 WIRE_PARAM = "structured_outputs"  # the engine's errors name structured_outputs.<kind>
 

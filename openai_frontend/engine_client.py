@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from backend.types import AdmissionGroup, SamplingParams, StepOutput
+from protocol import AdmissionGroup, SamplingParams, StepOutput
 
 
 @dataclass(frozen=True, slots=True)

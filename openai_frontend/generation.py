@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
 from openai_frontend.metrics import Metrics
+from protocol import AdmissionGroup, SamplingParams, StepOutput
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from backend.types import PromptLogprobs, StepOutput
+from protocol import PromptLogprobs, StepOutput
 
 
 def clamp(value: float) -> float:

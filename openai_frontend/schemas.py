@@ -3,7 +3,7 @@
 `extra="forbid"` everywhere but inside chat messages: an unknown or unsupported field (functions,
 suffix, ...) is a 400 that names it, never silently ignored. Inside a message unknown fields are
 ignored (vLLM's rule), because clients send back OpenAI's own response fields there. Range checks of
-sampling values live in backend.types.SamplingParams (one place); the schemas check types and the
+sampling values live in protocol.SamplingParams (one place); the schemas check types and the
 OpenAI-only rules.
 """
 

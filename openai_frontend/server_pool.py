@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, FrontendError, ModelNotFound
 from openai_frontend.triton_client import TritonEngineClient
+from protocol import AdmissionGroup, SamplingParams, StepOutput
 
 log = logging.getLogger("openai_frontend")
 

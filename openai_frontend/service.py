@@ -15,7 +15,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from backend.types import InvalidRequestError, SamplingParams, StepOutput
 from openai_frontend.chat_template import render_chat, template_reads_tools
 from openai_frontend.constraints import Constraint, request_constraint, tool_call_constraint
 from openai_frontend.engine_client import EngineClient, ModelInfo
@@ -34,6 +33,7 @@ from openai_frontend.tool_calls import (
     template_tools,
     tool_plan,
 )
+from protocol import InvalidRequestError, SamplingParams, StepOutput
 
 
 @dataclass(frozen=True, slots=True)

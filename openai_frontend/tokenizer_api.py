@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.tokenizer import Tokenizer
 from openai_frontend.chat_template import render_chat, template_reads_tools
 from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from openai_frontend.tokenizers import Tokenizers
 from openai_frontend.tool_calls import ToolPlan, template_messages, template_tools
+from tokenization.tokenizer import Tokenizer
 
 
 class TokenizerAPI:

@@ -1,7 +1,7 @@
 """The frontend's own copy of each model's tokenizer, for what needs token ids before or beside the
 engine: /tokenize, /detokenize, /tokenizer_info, echo of token-id prompts and `return_token_ids`.
 
-The engine tokenizes every prompt itself; the frontend loads the same tokenizer (backend.model_files,
+The engine tokenizes every prompt itself; the frontend loads the same tokenizer (tokenization.model_files,
 no torch) from the source named by the model's Triton `model` parameter, or from `--tokenizer`.
 Loaded once per source on first use, off the event loop.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.model_files import load_tokenizer
-from backend.tokenizer import Tokenizer
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import FrontendError
+from tokenization.model_files import load_tokenizer
+from tokenization.tokenizer import Tokenizer
 
 
 class TokenizerUnavailable(FrontendError):

@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.stop_strings import partial_prefix_length
 from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from tokenization.stop_strings import partial_prefix_length
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 

@@ -11,7 +11,7 @@ and it has no keyword for it, unlike the sync client). Without it a model that e
 flags-only response would leave us waiting forever. So the request is built here from public
 protobuf types and sent through the client's own stub (`_client_stub`, the one attribute of
 tritonclient used that is not public). Step responses are decoded from the raw bytes of their outputs
-(backend/wire.py), the health probe's with tritonclient's InferResult.
+(protocol/wire.py), the health probe's with tritonclient's InferResult.
 A request whose client went away is ended twice over (docs/wire-contract.md, "Cancelling"): a cancel
 message naming its request id, which the engine acts on before its next step, and the cancelled gRPC
 call, which the engine notices when it next asks `is_cancelled()`, for models that know no cancel
@@ -38,8 +38,6 @@ from tritonclient.utils import (
     serialize_byte_tensor,
 )
 
-from backend import wire
-from backend.types import AdmissionGroup, SamplingParams, StepOutput
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.engine_watchdog import DOWN_RETRY_AFTER_S, EngineWatchdog, ProbesUnsupported
 from openai_frontend.errors import (
@@ -50,6 +48,7 @@ from openai_frontend.errors import (
     ModelNotFound,
     from_engine_message,
 )
+from protocol import AdmissionGroup, SamplingParams, StepOutput, wire
 
 FINAL_FLAG = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check for the Triton kernels, sized for a single device call (under ~6 minutes):
 #   1. environment facts (GPU, torch, triton),
-#   2. tests/test_kernels.py compiled on the GPU (no interpreter when CUDA is present),
+#   2. tests/kernels/test_triton_kernels.py compiled on the GPU (no interpreter when CUDA is present),
 #   3. benchmarks/kernels_bench.py --quick (decode bandwidth and speed vs torch).
 # Installs nothing: it uses the first Python (PYTHON, .venv/bin/python, python3, python) that
 # imports torch with CUDA and triton. Logs and the bench JSON go to $OUT (or artifacts/gpu_check).
@@ -44,10 +44,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 
 status=0
-log "== tests/test_kernels.py (compiled)"
+log "== tests/kernels/test_triton_kernels.py (compiled)"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
     # addopts cleared: the device Python may lack the plugins pyproject's options name.
-    timeout 240 "$PY" -m pytest tests/test_kernels.py -q -rs -o addopts="" -p no:cacheprovider \
+    timeout 240 "$PY" -m pytest tests/kernels/test_triton_kernels.py -q -rs -o addopts="" -p no:cacheprovider \
         --junitxml="$OUT_DIR/test_kernels.xml" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
     log "pytest exit status: $rc"

@@ -15,8 +15,8 @@ from backend.coalescing import PendingResponses
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.models import LlamaConfig
-from backend.tokenizer import Tokenizer
-from backend.types import EngineOutput, RequestFailure, StepOutput
+from protocol import EngineOutput, RequestFailure, StepOutput
+from tokenization.tokenizer import Tokenizer
 
 
 @functools.cache

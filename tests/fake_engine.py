@@ -13,9 +13,9 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from backend.types import AdmissionGroup, FinishReason, SamplingParams, StepOutput, TokenLogprobs
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
+from protocol import AdmissionGroup, FinishReason, SamplingParams, StepOutput, TokenLogprobs
 
 ScriptItem = StepOutput | Exception | float
 Script = Callable[[str | list[int], SamplingParams], Sequence[ScriptItem]]

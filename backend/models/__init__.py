@@ -3,7 +3,7 @@
 A family is a config class (parses config.json, refuses what the model lacks) and a model class
 (architecture only; how layers run on each device is backend/layers.py). Every model class offers
 what the engine calls (`CausalLM`). To add a family: a module here with both classes, one line in
-`_FAMILIES`, and a test against transformers on a tiny random model (tests/test_model_families.py).
+`_FAMILIES`, and a test against transformers on a tiny random model (tests/backend/test_model_families.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.types import SamplingParams, StepOutput
+from protocol import SamplingParams, StepOutput
 from scripts import lm_eval
 from tests.engine_helpers import smollm2_checkpoint
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from backend.types import SamplingParams
+from protocol import SamplingParams
 from scripts import perf_tools
 from scripts.servers import MODEL_REPOSITORY
 

@@ -13,7 +13,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.types import SamplingParams
+from protocol import SamplingParams
 from tests.e2e.triton_stream import check_invariants, stream_generate
 from tests.engine_helpers import smollm2_checkpoint
 

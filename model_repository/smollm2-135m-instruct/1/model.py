@@ -35,11 +35,17 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backend import wire  # noqa: E402
 from backend.config import EngineConfig, instance_settings  # noqa: E402
 from backend.cpu_placement import place_engine  # noqa: E402
 from backend.engine_loop import EngineLoop, StepTrace  # noqa: E402
-from backend.types import EngineOutput, InvalidRequestError, RequestFailure, SamplingParams, StepOutput  # noqa: E402
+from protocol import (  # noqa: E402
+    EngineOutput,
+    InvalidRequestError,
+    RequestFailure,
+    SamplingParams,
+    StepOutput,
+    wire,
+)
 
 _GAUGES = {
     "num_running": "Sequences in the running batch",

@@ -1,0 +1,18 @@
+"""The errors both sides of the wire name: a request refused before it runs, and a full queue."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it runs; `param` names the offending field and `code` is
+    OpenAI's error code where it has one (e.g. "context_length_exceeded")."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineOverloaded(InvalidRequestError):
+    """The engine's queue is full: the request is refused at once rather than queued without end."""

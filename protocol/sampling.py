@@ -1,0 +1,297 @@
+"""What a request asks for: SamplingParams and its StructuredOutputs constraint, validated on
+construction so that bad values never reach the engine. No torch: both sides import it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from protocol.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+def _require(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)
+
+
+def _refuse_unknown(cls: type, data: dict[str, Any], what: str, param_prefix: str) -> None:
+    """Wire objects name only fields of their dataclass: an unknown one is an error, not ignored."""
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise InvalidRequestError(f"unknown {what}: {', '.join(unknown)}", param_prefix + unknown[0])
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on what a sequence may generate (vLLM's `structured_outputs`): exactly one kind.
+
+    - json: a JSON schema, held as JSON text (hashable, and its property order is kept: the output
+      follows it); json_object: any JSON object;
+    - regex: the whole output matches it; choice: the output is exactly one of the strings;
+    - grammar: an EBNF grammar in xgrammar's dialect (GBNF-style `root ::= ...`).
+    disable_any_whitespace: JSON without free whitespace between tokens (vLLM's flag).
+    The engine enforces it (backend/structured_output.py); the syntax is checked when the request is made.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _require(
+            len(set_kinds) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar, "
+            f"json_object (got {', '.join(set_kinds) or 'none'})",
+            "structured_outputs",
+        )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                f"{name} must be a non-empty string",
+                f"structured_outputs.{name}",
+            )
+        _require(
+            self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+            "choice must be a non-empty list of strings",
+            "structured_outputs.choice",
+        )
+        _require(
+            isinstance(self.json_object, bool) and isinstance(self.disable_any_whitespace, bool),
+            "json_object and disable_any_whitespace must be booleans",
+            "structured_outputs",
+        )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StructuredOutputs:
+        """From the wire's JSON object; `json` may be a schema object or its JSON text."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("structured_outputs must be a JSON object", "structured_outputs")
+        _refuse_unknown(cls, data, "structured_outputs field(s)", "structured_outputs.")
+        kwargs = {k: v for k, v in data.items() if v is not None}
+        if "json" in kwargs:
+            kwargs["json"] = schema_text(kwargs["json"], "structured_outputs.json")
+        if "choice" in kwargs:
+            _require(
+                isinstance(kwargs["choice"], (list, tuple)),
+                "choice must be a list of strings",
+                "structured_outputs.choice",
+            )
+            kwargs["choice"] = tuple(kwargs["choice"])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {self.kind: getattr(self, self.kind)}
+        if self.json is not None:
+            out["json"] = json.loads(self.json)
+        if self.choice is not None:
+            out["choice"] = list(self.choice)
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON schema (object, or its JSON text) as compact JSON text, key order kept."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
+    _require(isinstance(schema, (dict, bool)), "a JSON schema must be a JSON object", param)
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings, validated on construction (bad values never reach the engine)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the sampled token only; k: plus top k
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob, plus the top k at its position
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token_id, bias) pairs
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else only these are sampled (vLLM's)
+    bad_words: tuple[str, ...] = ()  # words never generated (vLLM's; backend/bad_words.py)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]", "n")
+        _require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens must be an integer >= 1",
+            "max_tokens",
+        )
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+            "min_tokens",
+        )
+        _require(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature must be in [0, 100]",
+            "temperature",
+        )
+        _require(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer", "top_k")
+        _require(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _require(
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+            "seed must be an integer in the signed 64-bit range",
+            "seed",
+        )
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
+        _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _require(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words must be non-blank strings",
+            "bad_words",
+        )
+        _require(len(self.bad_words) <= 128, "at most 128 bad_words", "bad_words")
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            "logprobs",
+        )
+        _require(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            ),
+            f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            "prompt_logprobs",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_finite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2]", name)
+        _require(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty must be in (0, 2]",
+            "repetition_penalty",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            "logit_bias maps token ids to values in [-100, 100]",
+            "logit_bias",
+        )
+        _require(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, tuple)
+                and len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids must be a non-empty list of token ids",
+            "allowed_token_ids",
+        )
+        _require(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs",
+            "structured_outputs",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from the JSON object of the wire contract; unknown fields are an error, not ignored."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("sampling_params must be a JSON object", "sampling_params")
+        _refuse_unknown(cls, data, "sampling parameter(s)", "")
+        kwargs = dict(data)
+        if "stop" in kwargs:
+            stop = kwargs["stop"]
+            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"] or ())
+        if isinstance(kwargs.get("bad_words"), list):
+            kwargs["bad_words"] = tuple(kwargs["bad_words"])
+        if isinstance(kwargs.get("allowed_token_ids"), list):
+            kwargs["allowed_token_ids"] = tuple(kwargs["allowed_token_ids"])
+        if "logit_bias" in kwargs:
+            bias = kwargs["logit_bias"] or {}
+            if not isinstance(bias, dict):
+                raise InvalidRequestError("logit_bias must be an object", "logit_bias")
+            try:
+                kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias maps token ids to numbers", "logit_bias") from None
+        if kwargs.get("structured_outputs") is not None:
+            kwargs["structured_outputs"] = StructuredOutputs.from_dict(kwargs["structured_outputs"])
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if isinstance(kwargs.get(name), int) and not isinstance(kwargs.get(name), bool):
+                kwargs[name] = float(kwargs[name])
+            elif name in kwargs and not isinstance(kwargs[name], float):
+                raise InvalidRequestError(f"{name} must be a number", name)
+        for name in ("n", "min_tokens", "top_k"):
+            if name in kwargs and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], int)):
+                raise InvalidRequestError(f"{name} must be an integer", name)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> SamplingParams:
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"sampling_params is not valid JSON: {e}", "sampling_params") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the wire contract (inverse of from_dict)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        out["bad_words"] = list(self.bad_words)
+        out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if self.allowed_token_ids is None:
+            del out["allowed_token_ids"]
+        else:
+            out["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.structured_outputs is None:
+            del out["structured_outputs"]
+        else:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
+        return out
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
