@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps -r requirements-nodeps.txt
-	$(PY) -c "from scripts.servers import TritonInstall; TritonInstall.find().ensure_stub()"
+	$(PY) -c "from scripts.servers import TritonInstall; TritonInstall.find().ensure_backends()"
 	@touch $(STAMP)
 
 venv: $(STAMP)

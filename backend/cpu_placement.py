@@ -12,7 +12,7 @@ Two halves, both needed (either alone measured as nothing):
 - the launcher (scripts/servers.py) starts tritonserver on the first of its CPUs and tells the stubs,
   which inherit that one-CPU mask, all of them (ENGINE_CPUS_ENV); not for a repository with a GPU
   model, whose path may need tritonserver on more than one core;
-- the model (model_repository/<model>/1/model.py) calls `place_engine` before torch loads: it widens
+- the Triton adapter (triton_backend/adapter.py) calls `place_engine` before torch loads: it widens
   the stub back to those CPUs and, for a single CPU instance, binds OpenMP's threads one per CPU, the
   team's master (the engine thread) first, on the CPU tritonserver runs on.
 

@@ -1,6 +1,6 @@
 """The Triton tensors of one StepOutput, both ways (docs/wire-contract.md). No torch.
 
-`encode_step` is what the Triton model sends (model_repository/<model>/1/model.py) and `decode_step`
+`encode_step` is what the Triton adapter sends (triton_backend/adapter.py) and `decode_step`
 what the frontend's Triton client reads back, so the two sides cannot drift apart: a round-trip test
 holds them together. The model's text tensors are numpy object arrays of UTF-8 bytes, as Triton's
 BYTES type is; the frontend decodes the raw bytes tritonserver sends.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cpu_placement import ENGINE_CPUS_ENV, launch_placement
+from triton_backend import BACKEND_NAME
 
 log = logging.getLogger("servers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +82,10 @@ class TritonInstall:
         existing = os.environ.get("LD_LIBRARY_PATH", "")
         return cls(binary, root / "backends", ":".join([p for p in libs if p] + ([existing] if existing else [])))
 
-    def ensure_stub(self) -> None:
-        """The wheel ships one Python backend stub per Python version beside the backend, not in it."""
+    def ensure_backends(self) -> None:
+        """Our backend linked in, and the Python backend stub for this Python: the wheel ships one per version
+        beside the backend, not in it."""
+        self.ensure_backend()
         if (self.backend_dir / "python" / "triton_python_backend_stub").exists() and os.access(self.binary, os.X_OK):
             return
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -92,6 +95,16 @@ class TritonInstall:
             shutil.copy2(stub, target)
         target.chmod(0o755)
         self.binary.chmod(0o755)
+
+    def ensure_backend(self) -> None:
+        """Our Triton backend (triton_backend/) in the backend directory, as a link to this checkout: Triton
+        runs `<backend-directory>/llm/model.py` for the models whose config.pbtxt says `backend: "llm"`."""
+        link, target = self.backend_dir / BACKEND_NAME, REPO_ROOT / "triton_backend"
+        if link.is_symlink() and link.resolve() == target.resolve():
+            return
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=True)
 
 
 def free_port() -> int:
@@ -266,14 +279,10 @@ class TritonServer(_Process):
 
     def start(self, log_path: Path | None = None, timeout: float = 180.0) -> TritonServer:
         install = TritonInstall.find()
-        install.ensure_stub()
+        install.ensure_backends()
         env = dict(os.environ, LD_LIBRARY_PATH=install.library_path, **self.extra_env)
-        # The stub imports numpy before model.py runs, so the venv (numpy<2) must precede the base
-        # interpreter's site-packages from the start: PYTHONPATH does that. model.py also puts
-        # the venv first itself, in case a stub ignores PYTHONPATH.
-        env["PYTHONPATH"] = os.pathsep.join([str(_site_packages()), str(REPO_ROOT)])
+        # The stub does not read PYTHONPATH: triton_backend/model.py puts these site-packages on its sys.path.
         env["LLM_SERVING_SITE_PACKAGES"] = str(_site_packages())
-        env["LLM_SERVING_REPO_ROOT"] = str(REPO_ROOT)
         # The response's round trip on one core (backend/cpu_placement.py): tritonserver on the first of
         # our CPUs, its stubs told the rest, so the engine thread shares that CPU and its workers do not.
         self.placement = placement = launch_placement(self.model_repository, env)

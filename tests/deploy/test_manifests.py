@@ -18,7 +18,7 @@ from scripts.servers import REPO_ROOT, TritonServer
 from tests.fake_engine import FakeEngineClient
 
 K8S = REPO_ROOT / "deploy" / "k8s"
-MODEL_PY = REPO_ROOT / "model_repository" / "smollm2-135m-instruct" / "1" / "model.py"
+ENGINE_METRICS_PY = REPO_ROOT / "triton_backend" / "metrics.py"
 
 
 def manifests() -> dict[tuple[str, str], dict]:
@@ -86,7 +86,7 @@ def test_manifests_agree_with_the_code():
     hpa = objects[("HorizontalPodAutoscaler", "triton")]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "triton"
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
-    assert metric == "llm_num_waiting" and '"num_waiting":' in MODEL_PY.read_text()
+    assert metric == "llm_num_waiting" and '"num_waiting":' in ENGINE_METRICS_PY.read_text()
     assert metric in (REPO_ROOT / "deploy" / "README.md").read_text()
     for name in ("triton", "frontend"):
         pdb = objects[("PodDisruptionBudget", name)]

@@ -23,9 +23,9 @@ def pbtxt_parameters() -> dict[str, str]:
     return {key: json.loads(value) for key, value in re.findall(pattern, text)}
 
 
-def test_config_is_decoupled_python_backend():
+def test_config_is_decoupled_on_the_projects_backend():
     text = CONFIG.read_text()
-    assert 'backend: "python"' in text and "decoupled: true" in text and 'name: "smollm2-135m-instruct"' in text
+    assert 'backend: "llm"' in text and "decoupled: true" in text and 'name: "smollm2-135m-instruct"' in text
 
 
 def test_engine_parameters_build_a_valid_engine_config():
@@ -51,30 +51,64 @@ def test_chat_template_and_special_tokens_match_the_gguf():
     assert params["bos_token"] == tok.bos_token
 
 
-MODEL_PY = CONFIG.parent / "1" / "model.py"
-_LOAD_MODEL_PY = """
+BACKEND = CONFIG.parents[2] / "triton_backend"
+_LOAD = """
 import importlib.util, os, sys, types
 sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
-loaded_before = "torch" in sys.modules
 spec = importlib.util.spec_from_file_location("model", sys.argv[1])
 spec.loader.exec_module(importlib.util.module_from_spec(spec))
-print(os.environ.get("GOMP_SPINCOUNT"), loaded_before, "torch" in sys.modules)
+print(os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
+from triton_backend.adapter import quiet_openmp_spinning
+quiet_openmp_spinning()
+print(os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
 """
+
+
+def test_a_model_is_a_config_and_an_empty_version_folder():
+    folder = CONFIG.parent
+    assert sorted(p.name for p in folder.iterdir()) == ["1", "config.pbtxt"]
+    assert [p.name for p in (folder / "1").iterdir()] == [".gitkeep"]
 
 
 @pytest.mark.parametrize(
     "env, spincount", [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")]
 )
-def test_model_py_shortens_openmp_spinning_and_leaves_torch_to_initialize_unless_the_user_chose(env, spincount):
+def test_the_backend_changes_nothing_at_import_and_shortens_openmp_spinning_before_torch(env, spincount):
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run(
-        [sys.executable, "-c", _LOAD_MODEL_PY, str(MODEL_PY)],
+        [sys.executable, "-c", _LOAD, str(BACKEND / "model.py")],
         env={**base, **env},
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
+        cwd=CONFIG.parents[2],
     ).stdout.split()
-    # Set at import; torch (and libgomp, which reads it) loads only in initialize(), after the engine's CPU
-    # placement (backend/cpu_placement.py), which must also come before libgomp.
-    assert out == [spincount, "False", "False"]
+    # Importing model.py sets no environment; the adapter sets the spin count (unless the user chose) before torch,
+    # and libgomp reads it when torch loads, after the engine's CPU placement (backend/cpu_placement.py).
+    assert out == [env.get("GOMP_SPINCOUNT", "None"), "False", spincount, "False"]
+
+
+def test_the_backend_puts_its_checkout_first_on_the_stubs_path():
+    code = (
+        "import importlib.util, sys\n"
+        "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
+        "spec = importlib.util.spec_from_file_location('model', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "module.add_project_to_sys_path()\n"
+        "print(sys.path[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(BACKEND / "model.py")], capture_output=True, text=True, check=True, cwd="/"
+    )
+    assert out.stdout.strip() == str(CONFIG.parents[2])
+
+
+def test_the_launcher_links_the_backend_into_tritons_backend_directory(tmp_path):
+    from scripts.servers import TritonInstall
+
+    install = TritonInstall(tmp_path / "tritonserver", tmp_path, "")
+    (tmp_path / "llm").symlink_to(tmp_path)  # a stale link (another checkout) is replaced
+    install.ensure_backend()
+    install.ensure_backend()
+    assert (tmp_path / "llm" / "model.py").resolve() == BACKEND.resolve() / "model.py"
