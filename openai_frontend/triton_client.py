@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -188,8 +189,12 @@ class TritonEngineClient:
         control_timeout_s: float = 5.0,
         probe_interval_s: float = 1.0,
         probe_timeout_s: float = 5.0,
+        control_key: str | None = None,
     ) -> None:
         self.url = url
+        # Triton's model-repository API (the model list) answers only with the control key (protocol.wire).
+        key = control_key if control_key is not None else os.environ.get(wire.CONTROL_KEY_ENV)
+        self._control_headers = {wire.CONTROL_KEY_GRPC_METADATA: key} if key else None
         self._config_ttl_s = config_ttl_s
         self._timeout = control_timeout_s
         self._client: grpcclient.InferenceServerClient | None = None
@@ -226,7 +231,9 @@ class TritonEngineClient:
 
     async def list_models(self) -> list[ModelInfo]:
         try:
-            index = await self._grpc().get_model_repository_index(client_timeout=self._timeout)
+            index = await self._grpc().get_model_repository_index(
+                headers=self._control_headers, client_timeout=self._timeout
+            )
         except InferenceServerException as e:
             raise self._unavailable(e) from None
         models: dict[str, ModelInfo] = {}

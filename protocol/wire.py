@@ -35,6 +35,13 @@ PROMPT_LOGPROB_OUTPUTS = (
     "prompt_top_token_texts",
 )
 
+# Triton's model-repository API (index, load, unload) answers only requests carrying this header (HTTP) or
+# metadata key (gRPC) with the control key: the launcher's stub supervisor and the frontends, which share
+# the key through this environment variable (docs/wire-contract.md, "Model control").
+CONTROL_KEY_HEADER = "llm-control-key"
+CONTROL_KEY_GRPC_METADATA = f"triton-grpc-protocol-{CONTROL_KEY_HEADER}"  # (how Triton's gRPC endpoint names it)
+CONTROL_KEY_ENV = "LLM_TRITON_CONTROL_KEY"
+
 # A request parameter (bool) of a client that sends a cancel message when it stops listening (the frontend):
 # the engine then asks whether such a request's call was cancelled only as a backstop (docs/wire-contract.md).
 SENDS_CANCEL_MESSAGE = "sends_cancel_message"

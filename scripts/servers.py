@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,12 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.cpu_placement import ENGINE_CPUS_ENV, launch_placement
+from protocol.wire import CONTROL_KEY_ENV, CONTROL_KEY_HEADER
 from triton_backend import BACKEND_NAME
 
 log = logging.getLogger("servers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def control_key() -> str:
+    """The key of Triton's model-repository API for every server this process starts: the operator's
+    (CONTROL_KEY_ENV, shared by several launchers and frontends) or one made for this process."""
+    if not os.environ.get(CONTROL_KEY_ENV):
+        os.environ[CONTROL_KEY_ENV] = secrets.token_urlsafe(24)  # (the frontends it starts inherit it)
+    return os.environ[CONTROL_KEY_ENV]
 
 
 def copy_model_repository(folder: Path, added: dict[str, str] | None = None, **settings: str) -> Path:
@@ -300,9 +310,12 @@ class TritonServer(_Process):
             "--exit-timeout-secs=5",
             "--log-verbose=0",
             # Explicit model control, every model loaded at start: the supervisor reloads a model
-            # whose engine process died (StubSupervisor).
+            # whose engine process died (StubSupervisor). Only a caller with the control key may
+            # list, load or unload models: loading a model runs its code.
             "--model-control-mode=explicit",
             "--load-model=*",
+            f"--http-restricted-api=model-repository:{CONTROL_KEY_HEADER}={control_key()}",
+            f"--grpc-restricted-protocol=model-repository:{CONTROL_KEY_HEADER}={control_key()}",
         ]
         self._spawn(cmd, env, log_path, cpus=None if placement is None else [placement[0]])
         self.wait_ready(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout)
@@ -329,7 +342,9 @@ class TritonServer(_Process):
 
     def _post(self, path: str, timeout: float) -> bytes:
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.http_port}{path}", data=b"{}", headers={"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.http_port}{path}",
+            data=b"{}",
+            headers={"Content-Type": "application/json", CONTROL_KEY_HEADER: control_key()},
         )
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.read()
@@ -370,7 +385,8 @@ class Frontend(_Process):
             str(self.port),
             *self.extra_args,
         ]
-        self._spawn(cmd, dict(os.environ, **self.extra_env), log_path, cwd=self.tree)
+        env = dict(os.environ, **{CONTROL_KEY_ENV: control_key()}, **self.extra_env)
+        self._spawn(cmd, env, log_path, cwd=self.tree)
         self.wait_ready(f"{self.url}/health/ready", timeout)
         return self
 

@@ -116,3 +116,15 @@ def test_compose_file_agrees_with_the_code():
     for service in services.values():
         assert service["image"] in (REPO_ROOT / "docker" / "Dockerfile.cpu").read_text()
         assert Path(REPO_ROOT, service["command"][0]).name == "python"
+
+
+def test_triton_and_the_frontends_share_the_model_control_key():
+    from protocol.wire import CONTROL_KEY_ENV
+
+    objects = manifests()
+    for name in ("triton", "frontend"):
+        env = {e["name"]: e for e in container(objects[("Deployment", name)]).get("env", [])}
+        assert env[CONTROL_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "triton-control-key", "key": "key"}
+    compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
+    for service in compose["services"].values():
+        assert service["environment"][CONTROL_KEY_ENV].startswith("${" + CONTROL_KEY_ENV + ":?")

@@ -144,3 +144,30 @@ def test_bad_input_gets_an_error_and_the_model_keeps_serving(servers, prompt, pa
     assert bad.error is not None and needle in bad.error, bad.error
     good = run(stream_generate(servers.triton.grpc_url, servers.model, PROMPT, {"max_tokens": 2}))
     check_invariants(good, n=1)
+
+
+def test_model_control_refuses_a_caller_without_the_control_key(servers):
+    """Loading a model runs its code: Triton's model-repository API answers only the launcher's key."""
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from protocol.wire import CONTROL_KEY_GRPC_METADATA
+    from scripts.servers import control_key
+
+    http = f"http://127.0.0.1:{servers.triton.http_port}"
+    for path in (f"/v2/repository/models/{servers.model}/unload", "/v2/repository/index"):
+        request = urllib.request.Request(http + path, data=b"{}", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code in (401, 403)
+    client = grpcclient.InferenceServerClient(servers.triton.grpc_url)
+    with pytest.raises(InferenceServerException):
+        client.unload_model(servers.model)
+    with pytest.raises(InferenceServerException):
+        client.get_model_repository_index()
+    index = client.get_model_repository_index(headers={CONTROL_KEY_GRPC_METADATA: control_key()}, as_json=True)
+    assert [m["state"] for m in index["models"] if m["name"] == servers.model] == ["READY"]
+    assert client.is_model_ready(servers.model)
