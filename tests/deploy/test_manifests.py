@@ -70,7 +70,18 @@ def test_manifests_agree_with_the_code():
     # The headless Service selects the Triton pods and its gRPC port is theirs.
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"].items() <= triton["spec"]["template"]["metadata"]["labels"].items()
-    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    [grpc] = service["spec"]["ports"]  # only gRPC: the frontends need nothing else
+    assert grpc["name"] == "grpc" and grpc["port"] == defaults.grpc_port
+    policy = objects[("NetworkPolicy", "triton")]
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items() <= triton["spec"]["template"]["metadata"]["labels"].items()
+    )
+    allowed = {r["ports"][0]["port"]: r["from"][0] for r in policy["spec"]["ingress"]}
+    assert (
+        allowed[defaults.grpc_port]["podSelector"]["matchLabels"].items()
+        <= frontend["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert set(allowed) == {defaults.grpc_port, defaults.metrics_port}
     # The frontend routes over that Service's name, with flags its parser accepts.
     fc = container(frontend)
     settings = parse_settings(fc["command"][3:])
