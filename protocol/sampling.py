@@ -11,6 +11,16 @@ from typing import Any
 from protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Sizes a client chooses and the engine pays for at every step: OpenAI's bound where it has one (logit_bias),
+# elsewhere one no real request nears. Past a bound the request is a 400 naming the field (docs/security.md).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 16384
+MAX_TOKEN_ID = 2**31 - 1  # the wire carries ids as INT32
 
 
 def _require(ok: bool, message: str, param: str) -> None:
@@ -170,17 +180,32 @@ class SamplingParams:
             "seed must be an integer in the signed 64-bit range",
             "seed",
         )
+        _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
-        _require(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _require(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            f"a stop string holds at most {MAX_STOP_STRING_CHARS} characters",
+            "stop",
+        )
+        _require(len(self.bad_words) <= MAX_BAD_WORDS, f"at most {MAX_BAD_WORDS} bad_words", "bad_words")
         _require(
             all(isinstance(w, str) and w.strip() for w in self.bad_words),
             "bad_words must be non-blank strings",
             "bad_words",
         )
-        _require(len(self.bad_words) <= 128, "at most 128 bad_words", "bad_words")
         _require(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be non-negative integers",
+            all(len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+            f"a bad word holds at most {MAX_BAD_WORD_CHARS} characters",
+            "bad_words",
+        )
+        _require(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+            "stop_token_ids",
+        )
+        _require(
+            all(_token_id(t) for t in self.stop_token_ids),
+            "stop_token_ids must be token ids (non-negative integers)",
             "stop_token_ids",
         )
         _require(
@@ -207,16 +232,24 @@ class SamplingParams:
             "repetition_penalty",
         )
         _require(
-            all(isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias"
+        )
+        _require(
+            all(_token_id(t) and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
             "logit_bias maps token ids to values in [-100, 100]",
             "logit_bias",
+        )
+        _require(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+            f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} token ids",
+            "allowed_token_ids",
         )
         _require(
             self.allowed_token_ids is None
             or (
                 isinstance(self.allowed_token_ids, tuple)
                 and len(self.allowed_token_ids) > 0
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+                and all(_token_id(t) for t in self.allowed_token_ids)
             ),
             "allowed_token_ids must be a non-empty list of token ids",
             "allowed_token_ids",
@@ -291,6 +324,10 @@ class SamplingParams:
         else:
             out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
+
+
+def _token_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_TOKEN_ID
 
 
 def _finite(x: object) -> bool:
