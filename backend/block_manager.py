@@ -12,12 +12,13 @@ next write would land in a shared block (the partial last block of forked siblin
 gives the sequence a fresh block and reports (src, dst); the model runner copies those KV rows
 before the forward pass, in the listed order.
 
-Prefix caching: once a block is full and computed, it is registered under a chained hash,
-hash((parent_block_hash, block_token_ids)) with parent None for the first block, so the same
-tokens after a different prefix never match. A freed block keeps its hash and stays findable
-until the pool needs it: uncached free blocks are handed out first, then cached ones are evicted
-least recently freed first. (Python's `hash` of int tuples is 64-bit and process-local; a
-collision would make two prefixes share KV. Swap in a keyed digest if clients are untrusted.)
+Prefix caching: once a block is full and computed, it is registered under a chained digest of
+(the parent block's digest, the block's token ids), the first block's parent being the request's
+cache salt, so the same tokens after a different prefix, or under another salt, never match. The
+digest is BLAKE2b keyed with a secret made at start: a client cannot craft two prefixes that collide
+(and so read KV computed for another's tokens), as it could with Python's unkeyed `hash`. A freed
+block keeps its digest and stays findable until the pool needs it: uncached free blocks are handed
+out first, then cached ones are evicted least recently freed first.
 
 Hashes are registered at schedule time, before the forward pass that writes the block. A sequence
 admitted in the same step may hit them: that is safe because every layer stores the whole batch's
@@ -28,10 +29,24 @@ No torch here.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from backend.sequence import Sequence
+
+BlockHash = bytes
+_DIGEST_KEY = secrets.token_bytes(32)  # one per process: digests are neither predictable nor comparable
+
+
+def block_hash(parent: BlockHash | None, tokens: tuple[int, ...], cache_salt: str | None = None) -> BlockHash:
+    """The digest a full block is cached under: its parent's (or, for a first block, the salt) and its tokens."""
+    digest = hashlib.blake2b(key=_DIGEST_KEY, digest_size=16)
+    digest.update(parent if parent is not None else b"salt:" + (cache_salt or "").encode())
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return digest.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +89,12 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # hash -> block holding those tokens
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}  # digest -> block holding those tokens
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._tables: dict[int, list[int]] = {}  # seq_id -> block ids
-        self._seq_hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its computed full blocks
+        self._seq_hashes: dict[int, list[BlockHash]] = {}  # seq_id -> chained digests of its computed full blocks
         self._query_tokens = 0
         self._hit_tokens = 0
 
@@ -142,10 +157,10 @@ class BlockManager:
             return 0
         bs = self.block_size
         hits: list[int] = []
-        hashes: list[int] = []
-        parent: int | None = None
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
         for i in range(seq.num_tokens // bs):
-            h = hash((parent, seq.token_slice(i * bs, (i + 1) * bs)))
+            h = block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs), seq.params.cache_salt)
             block = self._cached.get(h)
             if block is None:
                 break
@@ -180,7 +195,7 @@ class BlockManager:
         self._seq_hashes[seq.seq_id] = hashes
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            h = hash((parent, seq.token_slice(i * bs, (i + 1) * bs)))
+            h = block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs), seq.params.cache_salt)
             hashes.append(h)
             parent = h
             block = table[i]

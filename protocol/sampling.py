@@ -20,6 +20,7 @@ MAX_BAD_WORD_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 MAX_ALLOWED_TOKEN_IDS = 16384
+MAX_CACHE_SALT_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1  # the wire carries ids as INT32
 
 
@@ -153,6 +154,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
+    # vLLM's cache_salt: requests share cached prefix blocks only with requests of the same salt (None: unsalted).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]", "n")
@@ -255,6 +258,12 @@ class SamplingParams:
             "allowed_token_ids",
         )
         _require(
+            self.cache_salt is None
+            or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
+        _require(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
             "structured_outputs must be a StructuredOutputs",
             "structured_outputs",
@@ -319,6 +328,8 @@ class SamplingParams:
             del out["allowed_token_ids"]
         else:
             out["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.cache_salt is None:
+            del out["cache_salt"]
         if self.structured_outputs is None:
             del out["structured_outputs"]
         else:

@@ -351,3 +351,28 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ValueError):
         BlockManager(*bad, enable_prefix_caching=True)
+
+
+def test_prefix_blocks_are_shared_only_under_the_same_cache_salt():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+
+    def salted(salt):
+        seq_id = next(_ids)
+        return Sequence(seq_id, f"r{seq_id}", 0, tuple(range(9)), SamplingParams(cache_salt=salt), seq_id)
+
+    prefill(bm, salted("alice"))
+    for salt, hit in (("alice", 8), ("bob", 0), (None, 0)):
+        assert bm.match_prefix(salted(salt)) == hit, salt
+
+
+def test_block_digests_are_keyed_and_chain_their_parent():
+    import hashlib
+    import struct
+
+    from backend.block_manager import block_hash
+
+    first = block_hash(None, (1, 2, 3, 4))
+    assert isinstance(first, bytes) and first != block_hash(None, (1, 2, 3, 4), "salt")
+    assert block_hash(first, (5, 6, 7, 8)) != block_hash(None, (5, 6, 7, 8))
+    unkeyed = hashlib.blake2b(b"salt:" + struct.pack("<4q", 1, 2, 3, 4), digest_size=16).digest()
+    assert first != unkeyed  # (the process's secret key is in it)
