@@ -139,3 +139,18 @@ def test_triton_and_the_frontends_share_the_model_control_key():
     compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
     for service in compose["services"].values():
         assert service["environment"][CONTROL_KEY_ENV].startswith("${" + CONTROL_KEY_ENV + ":?")
+
+
+def test_pods_and_images_run_unprivileged_within_limits():
+    objects = manifests()
+    for name in ("triton", "frontend"):
+        c = container(objects[("Deployment", name)])
+        security = c["securityContext"]
+        assert security["runAsNonRoot"] and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"]["drop"] == ["ALL"]
+        assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+        user = security["runAsUser"]
+        for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+            assert f"USER {user}" in (REPO_ROOT / "docker" / dockerfile).read_text()
+    env = {e["name"]: e for e in container(objects[("Deployment", "frontend")])["env"]}
+    assert env["FRONTEND_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "frontend-api-key"
