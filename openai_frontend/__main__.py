@@ -9,6 +9,7 @@ set_grpc_environment()  # before the app's imports start gRPC
 import uvicorn  # noqa: E402
 
 from openai_frontend.app import create_app  # noqa: E402
+from openai_frontend.connection_limits import ReadLimits, bounded_protocol  # noqa: E402
 from openai_frontend.server_pool import ServerPool  # noqa: E402
 from openai_frontend.shutdown import GracefulServer  # noqa: E402
 
@@ -17,7 +18,8 @@ def main() -> None:
     settings = parse_settings()
     app = create_app(ServerPool(settings.triton_urls), settings)
     # uvloop and httptools (both pinned): every streamed chunk crosses the event loop and the HTTP writer,
-    # and in C they take less of the cores the engine shares (docs/benchmarking.md).
+    # and in C they take less of the cores the engine shares (docs/performance.md); the protocol is httptools'
+    # with read bounds for slow and malformed clients.
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -25,7 +27,11 @@ def main() -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
         loop="uvloop",
-        http="httptools",
+        http=bounded_protocol(
+            ReadLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes)
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        limit_concurrency=settings.max_connections,
     )
     GracefulServer(config, app.state.drain).run()
 

@@ -32,6 +32,12 @@ class Settings:
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long open requests may run on
+    # What a slow or malformed client may hold (openai_frontend/connection_limits.py).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    keep_alive_timeout_s: int = 5
+    max_connections: int = 4096  # open connections and requests; past it a 503
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -44,6 +50,10 @@ class Settings:
             raise ValueError("--max-request-bytes must be >= 1024")
         if not self.triton_urls:
             raise ValueError("give at least one --triton-url")
+        if min(self.header_timeout_s, self.body_timeout_s) <= 0 or self.keep_alive_timeout_s < 1:
+            raise ValueError("--header-timeout-s and --body-timeout-s must be > 0, --keep-alive-timeout-s >= 1")
+        if self.max_header_bytes < 1024 or self.max_connections < 1:
+            raise ValueError("--max-header-bytes must be >= 1024 and --max-connections >= 1")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 
@@ -117,6 +127,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM: readiness and new requests get 503 at once, open requests run on for up to "
         "this long, then end with an error event",
     )
+    limits = Settings()
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=limits.header_timeout_s,
+        help="a request's line and headers must arrive within this long (else a 408 and the connection closes)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=limits.body_timeout_s,
+        help="a request body that sends nothing for this long closes its connection (and cancels its work)",
+    )
+    parser.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="largest request line + headers; a larger one gets a 431",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout-s",
+        type=int,
+        default=limits.keep_alive_timeout_s,
+        help="an idle keep-alive connection closes after this long",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open connections and requests at once; past it new ones get a 503",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -142,6 +183,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             tokenizer=args.tokenizer,
             max_request_bytes=args.max_request_bytes,
             shutdown_grace_s=args.shutdown_grace_s,
+            header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s,
+            max_header_bytes=args.max_header_bytes,
+            keep_alive_timeout_s=args.keep_alive_timeout_s,
+            max_connections=args.max_connections,
         )
     except ValueError as e:
         parser.error(str(e))
