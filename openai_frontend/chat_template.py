@@ -46,6 +46,10 @@ def template_reads_tools(model: str, source: str) -> bool:
         return False
 
 
+# Variables the frontend sets itself (some only for some requests): never from chat_template_kwargs.
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def render_chat(
     model: ModelInfo,
     messages: list[dict[str, Any]],
@@ -59,7 +63,7 @@ def render_chat(
 
     add_generation_prompt: end with the assistant's turn header. continue_final_message: end inside the
     last message instead (cut after its content), so the model continues it. `template_kwargs` are
-    more template variables (vLLM's chat_template_kwargs; they override ours). `tools` is passed only
+    more template variables (vLLM's chat_template_kwargs; none may replace ours). `tools` is passed only
     to templates that read it. Raises InvalidRequest when the model has no template or the template
     refuses the messages (e.g. roles that do not alternate).
     """
@@ -73,6 +77,13 @@ def render_chat(
     }
     if tools is not None:
         variables["tools"] = tools
+    # The request's own fields are validated where they are parsed; a template variable must not replace them.
+    taken = sorted(set(template_kwargs or {}) & (set(variables) | _RESERVED_VARIABLES))
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields set it",
+            f"chat_template_kwargs.{taken[0]}",
+        )
     variables.update(template_kwargs or {})
     try:
         rendered = _compile(model.name, model.chat_template).render(**variables)
