@@ -19,7 +19,7 @@ loop, which reads the weights slower than MKL, hence split_matvec.
 Cost: minutes of compiling at the first start, less later (inductor's on-disk cache). Off by default
 (`EngineConfig.compile`): where the C++ CPU kernels are built, eager decode steps run each layer as one
 C++ op (backend.layers `run_decoder_layer`), which a traced graph does not take, and the compiled
-engine does not beat eager there (`make bench-engine` prints both; figures in docs/benchmarking.md).
+engine does not beat eager there (`make bench-engine` prints both; figures in docs/performance.md).
 """
 
 from __future__ import annotations

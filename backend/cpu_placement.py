@@ -6,7 +6,7 @@ for the answer. Each hop wakes a thread of the other process. When that thread w
 the hop takes an inter-processor interrupt and, on a VM, an exit to the hypervisor. When tritonserver
 runs on the engine thread's core, each hop is a local context switch: the core the engine thread leaves
 idle while it waits runs tritonserver's side of the send. The engine's OpenMP workers keep the other
-cores. Measured in docs/benchmarking.md (sixteenth pass).
+cores. Figures: docs/performance.md (CPU placement).
 
 Two halves, both needed (either alone measured as nothing):
 - the launcher (scripts/servers.py) starts tritonserver on the first of its CPUs and tells the stubs,

@@ -1,7 +1,9 @@
 """The engine: one `step()` = schedule -> run the model -> process outputs.
 
-Not thread-safe: one thread owns an engine (the Triton adapter's engine loop thread, a benchmark,
-a test). Requests enter with `add_request` and leave through the StepOutputs that `step` returns.
+One thread owns an engine (the engine thread of backend/engine_loop.py, a benchmark, a test): it builds
+it and calls add_request, abort_request, has_work, step and stats. `make_request` alone is safe from any
+thread (backend/input_processor.py): Triton's execute thread calls it while the engine steps. Requests
+enter with `add_request` and leave through the StepOutputs that `step` returns.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch
 
 from backend import huge_pages
 from backend.admission import AdmissionGroups
-from backend.bad_words import bad_words_token_ids
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
+from backend.input_processor import InputProcessor
 from backend.model_runner import ModelRunner, kv_block_bytes
 from backend.models import build_model
 from backend.output_processor import OutputProcessor
@@ -115,9 +117,11 @@ class LLMEngine:
             compile_decode=config.compile,
         )
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
-        self._max_token_chars = self.tokenizer.max_token_chars
         self.structured_outputs = StructuredOutputCompiler(
             self.tokenizer, model_cfg.vocab_size, self.runtime.eos_token_ids
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.runtime, config.max_num_seqs, self.structured_outputs
         )
         # Constrained requests whose grammar is still compiling: kept out of the scheduler until it is ready.
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
@@ -134,59 +138,9 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
-        """Tokenizes and validates; raises InvalidRequestError for anything the engine cannot run."""
-        vocab = self.runtime.vocab_size
-        max_len = self.runtime.max_model_len
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            if len(prompt) >= max_len * self._max_token_chars:  # refused without spending time tokenizing it
-                raise InvalidRequestError(
-                    f"the prompt is {len(prompt)} characters, at least {len(prompt) // self._max_token_chars} "
-                    f"tokens; this model's context is {max_len} tokens",
-                    "prompt",
-                    "context_length_exceeded",
-                )
-            token_ids = tuple(self.tokenizer.encode(prompt))
-        else:
-            token_ids = tuple(int(t) for t in prompt)
-            if any(t < 0 or t >= vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        if len(token_ids) >= max_len:
-            raise InvalidRequestError(
-                f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
-                "and at least one must be left to generate",
-                "prompt",
-                "context_length_exceeded",
-            )
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
-            # vLLM and OpenAI refuse this too: cutting the answer short at the window would look like
-            # a choice of the model's ("length") when the request could never have been met.
-            raise InvalidRequestError(
-                f"max_tokens is too large: {params.max_tokens}. This model's context is {max_len} tokens and "
-                f"the prompt is {len(token_ids)} tokens ({params.max_tokens} > {max_len} - {len(token_ids)})",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        for field_name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-            ("stop_token_ids", params.stop_token_ids),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"{field_name} holds token id {bad}, outside the vocabulary (size {vocab}: ids 0..{vocab - 1})",
-                    field_name,
-                )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} on this server", "n")
-        if params.structured_outputs is not None:
-            self.structured_outputs.check(params.structured_outputs)  # a bad grammar is refused here
-        bad = bad_words_token_ids(params.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
-        return GenerateRequest(request_id, token_ids, params, bad)
+        """Tokenizes and validates (backend/input_processor.py); raises InvalidRequestError for anything
+        the engine cannot run. Safe from any thread."""
+        return self.input_processor.make_request(request_id, prompt, params)
 
     def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
         """Queues the request; a constrained one joins the scheduler once its grammar is compiled.

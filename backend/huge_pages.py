@@ -13,7 +13,7 @@ tensors laid out back to back, does. The results are the same bits; only where t
 (`EngineConfig.compile`: its graph's per-layer regions refuse inputs that are views of one storage).
 Where the kernel has no transparent huge pages the buffers are ordinary memory. A later
 `Linear.repack()` (`.to()`) makes new panels of its own, and the buffer is then no longer read.
-Figures: docs/benchmarking.md (twelfth and thirteenth passes).
+Figures: docs/performance.md (Q4 / Q8 weights and huge pages).
 """
 
 from __future__ import annotations

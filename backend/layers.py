@@ -2,7 +2,8 @@
 
 A model file (backend/models/) says what a layer computes; this module says how: which kernel a
 matmul, a norm or a whole decoder layer takes on this device, dtype and batch. Model files call
-these layers and never branch on the device themselves.
+these layers and never test the device themselves; the one choice they see is `cpu_decoder_layer`,
+which offers a whole decoder layer as one C++ op where this step may take it (None elsewhere).
 
 - `Linear`: y = x @ W.T (+ b) (+ residual). On CPU in fp32 it keeps packed copies of W for the
   project's kernel (kernels/cpu_linear.cpp, up to cpu_kernels.MAX_LINEAR_ROWS rows) and for oneDNN

@@ -1,4 +1,4 @@
-"""The engine loop thread and the sender thread, without Triton (sinks are plain objects)."""
+"""The engine thread, the response sender and the cancel watcher, without Triton (sinks are plain objects)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from backend import engine_loop
-from backend.engine_loop import EngineLoop
+from backend import cancel_watcher, engine_thread
+from backend.engine_loop import EngineLoop, StepTrace
 from protocol import RequestFailure, SamplingParams, StepOutput
 from tests.engine_helpers import check_stream_invariants, tiny_engine
 
@@ -87,8 +87,8 @@ def test_a_cancel_by_key_aborts_that_keys_requests_without_asking_the_sinks():
 
 def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
     # Each question is a round trip to tritonserver: beyond the budget, requests are asked in turn.
-    monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 2)
-    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.001)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_CHECKS_PER_POLL", 2)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_POLL_S", 0.001)
     engine = tiny_engine()
     asked: list[Sink] = []
     asked_on: set[str] = set()
@@ -100,14 +100,14 @@ def test_cancellation_is_asked_of_a_few_requests_per_poll_in_turn(monkeypatch):
 
     loop = EngineLoop(lambda: engine, send=send, is_cancelled=is_cancelled)
     per_poll: list[int] = []
-    poll = loop._poll_cancellation
+    poll = loop._watcher.poll
 
     def counted_poll():
         before = len(asked)
         poll()
         per_poll.append(len(asked) - before)
 
-    loop._poll_cancellation = counted_poll
+    loop._watcher.poll = counted_poll
     loop.start()
     try:
         sinks = [Sink() for _ in range(5)]
@@ -130,8 +130,8 @@ def test_requests_whose_client_sends_cancel_messages_are_asked_only_as_a_backsto
     # Each question takes the cores the steps use; such a client ends its requests by message.
     from backend.stand_in_engine import StandInEngine
 
-    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.002)
-    monkeypatch.setattr(engine_loop, "CANCEL_BACKSTOP_S", 0.25)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_POLL_S", 0.002)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_BACKSTOP_S", 0.25)
     engine = StandInEngine(step_ms=5.0, max_num_seqs=8)  # requests that last until the test ends them
     asked: dict[int, int] = {}
     lock = threading.Lock()
@@ -220,7 +220,7 @@ def test_a_failed_build_is_raised_by_start():
 
 def test_each_steps_responses_are_sent_before_the_next_step(monkeypatch):
     # (The tiny engine's steps take a millisecond or two: the wait's bound relative to the step is lifted.)
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_FRACTION", 1000.0)
+    monkeypatch.setattr(engine_thread, "SEND_WAIT_FRACTION", 1000.0)
     events = []
     engine = tiny_engine()
     real_step = engine.step
@@ -248,7 +248,7 @@ def test_each_steps_responses_are_sent_before_the_next_step(monkeypatch):
 
 def test_the_engine_thread_sends_a_steps_responses_itself_while_the_sender_is_idle(monkeypatch):
     # (Two thread wake-ups a step saved; the tiny engine's steps are short, so the wait's bound is lifted.)
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_FRACTION", 1000.0)
+    monkeypatch.setattr(engine_thread, "SEND_WAIT_FRACTION", 1000.0)
     engine = tiny_engine()
     sent_on = []
 
@@ -274,7 +274,7 @@ def test_the_engine_thread_sends_a_steps_responses_itself_while_the_sender_is_id
 def test_sends_slower_than_the_wait_go_to_the_sender_and_generation_runs_ahead(monkeypatch):
     # A step waits for its sends a quarter of the step at most; sends that take longer must not set the
     # pace of generation: after the first, the sender takes them and joins the steps that queue up.
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.01)
+    monkeypatch.setattr(engine_thread, "SEND_WAIT_S", 0.01)
     engine = tiny_engine()
     sent_on, sent_when_generation_ended = [], []
     real_step = engine.step
@@ -309,8 +309,8 @@ def test_sends_slower_than_the_wait_go_to_the_sender_and_generation_runs_ahead(m
 def test_refused_requests_are_counted_as_sent_so_later_steps_do_not_wait(monkeypatch):
     # Every output, refusals included, goes through the count the next step waits on: a refusal that
     # skipped it left the count below zero, and every later step then waited the whole bound.
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_FRACTION", 1000.0)
-    monkeypatch.setattr(engine_loop, "SEND_WAIT_S", 0.5)
+    monkeypatch.setattr(engine_thread, "SEND_WAIT_FRACTION", 1000.0)
+    monkeypatch.setattr(engine_thread, "SEND_WAIT_S", 0.5)
     engine = tiny_engine()
     loop = EngineLoop(lambda: engine, send=send)
     loop.start()
@@ -324,7 +324,7 @@ def test_refused_requests_are_counted_as_sent_so_later_steps_do_not_wait(monkeyp
         loop.submit(engine.make_request("r", "hello", SamplingParams(max_tokens=10, ignore_eos=True)), sink)
         assert sink.done.wait(30)
         assert time.monotonic() - start < 3  # 10+ steps that each waited 0.5 s would take 5 s or more
-        assert loop._unsent == 0
+        assert loop._sender.unsent == 0
     finally:
         loop.stop()
 
@@ -336,8 +336,8 @@ def test_no_sink_is_asked_about_cancellation_once_its_last_response_went_out(mon
     # requests, slow questions asked as often as possible: the watcher and the sender race on every one.
     from backend.stand_in_engine import StandInEngine
 
-    monkeypatch.setattr(engine_loop, "CANCEL_POLL_S", 0.0005)
-    monkeypatch.setattr(engine_loop, "CANCEL_CHECKS_PER_POLL", 1000)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_POLL_S", 0.0005)
+    monkeypatch.setattr(cancel_watcher, "CANCEL_CHECKS_PER_POLL", 1000)
     closed: set[int] = set()
     late: list[int] = []
     asked = 0
@@ -378,7 +378,7 @@ def test_no_sink_is_asked_about_cancellation_once_its_last_response_went_out(mon
 def test_the_step_trace_records_when_each_request_was_submitted_and_admitted(tmp_path):
     # benchmarks read these rows to see how a burst of requests reaches the engine (docs/benchmarking.md)
     engine = tiny_engine()
-    trace = engine_loop.StepTrace(str(tmp_path / "trace.tsv"))
+    trace = StepTrace(str(tmp_path / "trace.tsv"))
     loop = EngineLoop(lambda: engine, send=send, trace=trace)
     loop.start()
     try:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backend import logits_processors
 from backend import sampler as sampler_module
 from backend.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from protocol import SamplingParams
@@ -178,7 +179,7 @@ def test_processors_match_reference(seed, rep, freq, pres, min_tokens, ignore_eo
     )
     rows = [row(params, prompt=prompt, output=output, eos=(EOS, 1)), row(temperature=0.0, output=output)]
     x = logits_for(seed, 2, V)
-    got = sampler_module._apply_logits_processors(x, rows)
+    got = logits_processors.apply_logits_processors(x, rows)
     torch.testing.assert_close(got[0].double(), ref_processed(x[0], rows[0]), rtol=1e-5, atol=1e-4)
     assert torch.equal(got[1], x[1])  # a plain row is untouched
     assert torch.equal(x, logits_for(seed, 2, V))  # and the input is never modified
