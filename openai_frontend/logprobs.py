@@ -1,5 +1,5 @@
-"""Logprobs in the shapes clients read: OpenAI's legacy completions and chat formats, and vLLM's
-`prompt_logprobs`. Pure functions of the engine's messages.
+"""Logprobs in the shapes clients read: OpenAI's legacy completions and chat formats (the logprobs
+models of responses.py), and vLLM's `prompt_logprobs`. Pure functions of the engine's messages.
 
 `as_ids` is vLLM's `return_tokens_as_token_ids`: every token is named `token_id:<id>` instead of its
 text (texts of partial UTF-8 characters are not unique; ids are).
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from openai_frontend.responses import ChatCompletionLogProbs, ChatCompletionLogProbsContent, CompletionLogProbs
 from protocol import PromptLogprobs, StepOutput
 
 
@@ -22,12 +23,16 @@ def token_name(text: str, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else text
 
 
-def completion_logprobs(out: StepOutput, text_offset: int, as_ids: bool = False) -> dict[str, list[Any]]:
+def no_completion_logprobs() -> CompletionLogProbs:
+    return CompletionLogProbs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+
+def completion_logprobs(out: StepOutput, text_offset: int, as_ids: bool = False) -> CompletionLogProbs:
     """Legacy completions logprobs of one step, vLLM style: top_logprobs holds the sampled token
     and then the top-k alternatives (so logprobs=0 gives just the sampled token)."""
     lp = out.logprobs
     if lp is None:  # a step without tokens (an abort) may come without logprob outputs
-        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return no_completion_logprobs()
     tokens, offsets, top = [], [], []
     for i, token_id in enumerate(out.token_ids):
         offsets.append(text_offset)
@@ -44,15 +49,12 @@ def completion_logprobs(out: StepOutput, text_offset: int, as_ids: bool = False)
                 as_ids,
             )
         )
-    return {
-        "tokens": tokens,
-        "token_logprobs": [clamp(x) for x in lp.logprobs],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    return CompletionLogProbs(
+        tokens=tokens, token_logprobs=[clamp(x) for x in lp.logprobs], top_logprobs=top, text_offset=offsets
+    )
 
 
-def echo_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> dict[str, list[Any]]:
+def echo_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> CompletionLogProbs:
     """The prompt's part of echoed completions logprobs (k alternatives): its first token has none
     (null), as in OpenAI's legacy API and vLLM; offsets count from the start of the prompt text."""
     tokens = [token_name(t, i, as_ids) for t, i in zip(pl.token_texts, pl.token_ids)]
@@ -73,12 +75,9 @@ def echo_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> dict[str,
                 as_ids,
             )
         )
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None, *(clamp(x) for x in pl.logprobs)],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    return CompletionLogProbs(
+        tokens=tokens, token_logprobs=[None, *(clamp(x) for x in pl.logprobs)], top_logprobs=top, text_offset=offsets
+    )
 
 
 def prompt_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> list[dict[str, dict[str, Any]] | None]:
@@ -105,11 +104,11 @@ def prompt_logprobs(pl: PromptLogprobs, k: int, as_ids: bool = False) -> list[di
     return out
 
 
-def chat_logprobs(out: StepOutput, top_k: int, as_ids: bool = False) -> dict[str, list[Any]]:
+def chat_logprobs(out: StepOutput, top_k: int, as_ids: bool = False) -> ChatCompletionLogProbs:
     lp = out.logprobs
+    content: list[ChatCompletionLogProbsContent] = []
     if lp is None:  # a step without tokens
-        return {"content": []}
-    content = []
+        return ChatCompletionLogProbs(content=content)
     for i, token_id in enumerate(out.token_ids):
         alts = []
         for alt_id, alt_text, alt_lp in zip(
@@ -121,7 +120,7 @@ def chat_logprobs(out: StepOutput, top_k: int, as_ids: bool = False) -> dict[str
         content.append(
             {"token": name, "logprob": clamp(lp.logprobs[i]), "bytes": list(name.encode("utf-8")), "top_logprobs": alts}
         )
-    return {"content": content}
+    return ChatCompletionLogProbs(content=content)
 
 
 def _top_entry(

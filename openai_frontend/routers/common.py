@@ -1,10 +1,10 @@
-"""What the routers share: the service from app state, API-key check, disconnect handling, SSE."""
+"""What the routers share: the service from app state, API-key check, disconnect handling, SSE, and
+the JSON response of a response model."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
@@ -12,11 +12,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from openai_frontend.errors import AuthenticationFailed, ClientDisconnected, EngineFailure, FrontendError
+from openai_frontend.responses import OpenAIBaseModel, json_body, json_text
 from openai_frontend.service import Service
 
 log = logging.getLogger("openai_frontend")
@@ -115,19 +117,19 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self.background()
 
 
-def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def sse_response(chunks: AsyncIterator[OpenAIBaseModel | dict[str, Any]]) -> StreamingResponse:
     """`data: <json>` per chunk, then `data: [DONE]`; a failure mid-stream becomes `data: {"error": ...}`."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {_json(chunk)}\n\n"
+                yield f"data: {json_text(chunk)}\n\n"
         except FrontendError as e:
             log.warning("stream ended with error: %s", e.message)
-            yield f"data: {_json(e.to_dict())}\n\n"
+            yield f"data: {json_text(e.to_dict())}\n\n"
         except Exception as e:  # the client must still get an error event and [DONE]
             log.exception("stream failed")
-            yield f"data: {_json(EngineFailure(f'internal error: {type(e).__name__}').to_dict())}\n\n"
+            yield f"data: {json_text(EngineFailure(f'internal error: {type(e).__name__}').to_dict())}\n\n"
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
@@ -137,5 +139,8 @@ def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     )
 
 
-def _json(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+class ModelResponse(JSONResponse):
+    """A JSONResponse of a response model (encoded by responses.json_body, as JSONResponse encodes a dict)."""
+
+    def render(self, content: OpenAIBaseModel) -> bytes:
+        return json_body(content)
