@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.perf_tools import DEFAULT_MODEL, REPO_ROOT, TOOLS, ensure_pinned_venv, log
+from scripts.perf_install import REPO_ROOT, TOOLS, ensure_pinned_venv, log
+from scripts.perf_tools import DEFAULT_MODEL
 
 LM_EVAL_VENV = TOOLS / "lm-eval"
 
