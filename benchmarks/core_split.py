@@ -9,7 +9,7 @@ and the frontend on another: what the path costs when it takes none of the engin
 goes on the engine's core (`engine`, as the launcher's placement does: python_backend's round trip for
 each response then stays on one core) or on the frontend's (`path`: the round trip crosses cores). The
 in-process side runs one thread as well. Placement is set from outside, on every thread, once the servers
-are up; the launcher's own placement is off. Needs two CPUs. Figures: docs/benchmarking.md, eighteenth pass.
+are up; the launcher's own placement is off. Needs two CPUs. Figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ this tree too; `--env-a` / `--env-b KEY=VALUE` set either frontend's environment
 usage: .venv/bin/python -m benchmarks.frontend_ab --base HEAD~1 --pairs 16 --concurrency 1
 
 Prints each pair, then both frontends' mean CPU per token and tok/s, B / A, and in how many pairs A
-took less CPU. The last line printed is one JSON object. Figures: docs/benchmarking.md, fourteenth pass.
+took less CPU. The last line printed is one JSON object. Figures: docs/performance.md.
 """
 
 from __future__ import annotations

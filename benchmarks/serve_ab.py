@@ -21,7 +21,7 @@ in how many rounds B was faster. The last line printed is one JSON object.
 
 Run it once with no change first: two identical sets are two processes, and processes started a minute
 apart run the same step at different speeds. On 2 cores two identical sets differed by up to 8% at one
-stream over four rounds (docs/benchmarking.md, twelfth pass), so a smaller B / A there is no evidence.
+stream over four rounds (docs/performance.md), so a smaller B / A there is no evidence.
 """
 
 from __future__ import annotations

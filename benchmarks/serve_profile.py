@@ -11,7 +11,7 @@ Per concurrency level, the load of `make bench-serve` (fresh 128-token prompts, 
 Printed per level: output tok/s; the engine step's p50 / p90 duration; the p50 gap between a step's end
 and the next one's start while requests run; the p50 time from a step's end to the end of the last send
 of its outputs; CPU milliseconds per output token per process and for the busiest threads.
-The last line is one JSON object. Figures and what they showed: docs/benchmarking.md.
+The last line is one JSON object. Figures and what they showed: docs/performance.md.
 """
 
 from __future__ import annotations

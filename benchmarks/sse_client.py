@@ -6,7 +6,7 @@ spends more CPU per token than the frontend itself, and that CPU is taken from t
 keeps each piece that arrives with the time it came and parses a response once it has ended: every
 SSE event then gets the arrival time of its last byte, which is when a client that parsed as it went
 would have seen it. `run` runs a client on uvloop, whose loop takes less CPU per arriving event than
-asyncio's own (figures: docs/benchmarking.md, fourteenth pass).
+asyncio's own (figures: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # grpcio's EventEngine client hands each message Triton streams through threads of its own before the
 # poller thread that wakes the event loop; with this experiment off, that poller thread reads the socket
 # itself. Every streamed token crosses that path, and each thread woken takes the cores the engine steps on
-# (docs/benchmarking.md). gRPC reads the setting once, when it starts.
+# (docs/performance.md). gRPC reads the setting once, when it starts.
 GRPC_EXPERIMENTS = "-event_engine_client"
 
 

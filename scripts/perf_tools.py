@@ -301,7 +301,7 @@ def run_genai_perf(args: argparse.Namespace) -> dict:
     print_table(
         f"genai-perf profile, {url}, model {args.model}, ISL {args.input_tokens}, "
         f"max_tokens {args.output_tokens} with ignore_eos (OSL: genai-perf's own count, see "
-        "docs/benchmarking.md):",
+        "docs/performance.md):",
         rows,
         GENAI_COLUMNS,
     )

@@ -376,7 +376,7 @@ def test_no_sink_is_asked_about_cancellation_once_its_last_response_went_out(mon
 
 
 def test_the_step_trace_records_when_each_request_was_submitted_and_admitted(tmp_path):
-    # benchmarks read these rows to see how a burst of requests reaches the engine (docs/benchmarking.md)
+    # benchmarks read these rows to see how a burst of requests reaches the engine (docs/performance.md)
     engine = tiny_engine()
     trace = StepTrace(str(tmp_path / "trace.tsv"))
     loop = EngineLoop(lambda: engine, send=send, trace=trace)

@@ -1006,7 +1006,7 @@ async def test_draining_refuses_new_work_and_ends_what_outlives_the_grace_period
 
 
 async def test_the_startup_heap_is_frozen_out_of_the_collectors_sight():
-    # (The oldest generation's collections then walk only what requests made: docs/benchmarking.md.)
+    # (The oldest generation's collections then walk only what requests made: docs/performance.md.)
     app = create_app(FakeEngineClient())
     gc.unfreeze()
     try:
