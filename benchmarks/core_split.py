@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.servers import REPO_ROOT, copy_model_repository, running_servers, stub_processes
+from scripts.servers import REPO_ROOT, copy_model_repository, running_servers
+from scripts.stub_supervisor import stub_processes
 
 
 def split_cpus(cpus: set[int]) -> tuple[int, int]:

@@ -336,7 +336,8 @@ def frontend_url(args) -> Iterator[tuple[str, dict[str, int], str]]:
     if args.url is not None:
         yield args.url.rstrip("/").removesuffix("/v1"), {}, args.triton_url or perf_tools.triton_grpc_url()
         return
-    from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+    from scripts.servers import REPO_ROOT, Frontend, TritonServer, free_port
+    from scripts.stub_supervisor import stub_processes
 
     logs = REPO_ROOT / "artifacts" / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -201,7 +201,8 @@ def main() -> None:
     from backend.checkpoint import load_checkpoint
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
-    from scripts.servers import REPO_ROOT, running_servers, stub_processes
+    from scripts.servers import REPO_ROOT, running_servers
+    from scripts.stub_supervisor import stub_processes
 
     checkpoint = load_checkpoint("smollm2", dtype=torch.float32)
     tok = checkpoint.tokenizer

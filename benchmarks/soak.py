@@ -38,7 +38,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port, stub_processes
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, TritonServer, free_port
+from scripts.stub_supervisor import stub_processes
 
 PROMPTS = [
     "Once upon a time",

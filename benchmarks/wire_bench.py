@@ -37,7 +37,8 @@ from benchmarks.serve_profile import (
 )
 from benchmarks.sse_client import STATUS_OK, SSEConnection, dechunk, post_request
 from scripts.servers import DEFAULT_MODEL as MODEL
-from scripts.servers import REPO_ROOT, copy_model_repository, running_servers, stub_processes
+from scripts.servers import REPO_ROOT, copy_model_repository, running_servers
+from scripts.stub_supervisor import stub_processes
 
 
 def stand_in_repository(folder: Path, step_ms: float, max_num_seqs: int) -> Path:

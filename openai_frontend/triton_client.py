@@ -189,11 +189,10 @@ class TritonEngineClient:
         control_timeout_s: float = 5.0,
         probe_interval_s: float = 1.0,
         probe_timeout_s: float = 5.0,
-        control_key: str | None = None,
     ) -> None:
         self.url = url
         # Triton's model-repository API (the model list) answers only with the control key (protocol.wire).
-        key = control_key if control_key is not None else os.environ.get(wire.CONTROL_KEY_ENV)
+        key = os.environ.get(wire.CONTROL_KEY_ENV)
         self._control_headers = {wire.CONTROL_KEY_GRPC_METADATA: key} if key else None
         self._config_ttl_s = config_ttl_s
         self._timeout = control_timeout_s

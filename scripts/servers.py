@@ -28,7 +28,7 @@ from pathlib import Path
 
 from backend.cpu_placement import ENGINE_CPUS_ENV, launch_placement
 from protocol.wire import CONTROL_KEY_ENV, CONTROL_KEY_HEADER
-from scripts.stub_supervisor import StubSupervisor, stub_processes  # noqa: F401 - stub_processes for the tests
+from scripts.stub_supervisor import StubSupervisor
 from triton_backend import BACKEND_NAME
 
 log = logging.getLogger("servers")
@@ -95,7 +95,7 @@ class TritonInstall:
     def ensure_backends(self) -> None:
         """Our backend linked in, and the Python backend stub for this Python: the wheel ships one per version
         beside the backend, not in it."""
-        self.ensure_backend()
+        self.link_backend()
         if (self.backend_dir / "python" / "triton_python_backend_stub").exists() and os.access(self.binary, os.X_OK):
             return
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -106,7 +106,7 @@ class TritonInstall:
         target.chmod(0o755)
         self.binary.chmod(0o755)
 
-    def ensure_backend(self) -> None:
+    def link_backend(self) -> None:
         """Our Triton backend (triton_backend/) in the backend directory, as a link to this checkout: Triton
         runs `<backend-directory>/llm/model.py` for the models whose config.pbtxt says `backend: "llm"`."""
         link, target = self.backend_dir / BACKEND_NAME, REPO_ROOT / "triton_backend"

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from backend.cpu_placement import PLACEMENT_ENV
-from scripts.servers import stub_processes
+from scripts.stub_supervisor import stub_processes
 
 pytestmark = [
     pytest.mark.e2e,

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, copy_model_repository, free_port, stub_processes
+from scripts.servers import DEFAULT_MODEL, REPO_ROOT, Frontend, copy_model_repository, free_port
+from scripts.stub_supervisor import stub_processes
 from tests.e2e.helpers import read_sse, running_servers
 from tests.e2e.triton_stream import metric_value
 

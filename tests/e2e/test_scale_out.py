@@ -19,8 +19,8 @@ from scripts.servers import (
     TritonServer,
     copy_model_repository,
     free_port,
-    stub_processes,
 )
+from scripts.stub_supervisor import stub_processes
 from tests.e2e.helpers import LOGS, read_sse, running_servers
 from tests.e2e.triton_stream import metrics, metrics_once
 

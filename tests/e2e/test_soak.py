@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.soak import soak
-from scripts.servers import stub_processes
+from scripts.stub_supervisor import stub_processes
 
 pytestmark = pytest.mark.slow
 

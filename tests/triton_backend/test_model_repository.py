@@ -109,6 +109,6 @@ def test_the_launcher_links_the_backend_into_tritons_backend_directory(tmp_path)
 
     install = TritonInstall(tmp_path / "tritonserver", tmp_path, "")
     (tmp_path / "llm").symlink_to(tmp_path)  # a stale link (another checkout) is replaced
-    install.ensure_backend()
-    install.ensure_backend()
+    install.link_backend()
+    install.link_backend()
     assert (tmp_path / "llm" / "model.py").resolve() == BACKEND.resolve() / "model.py"
