@@ -144,29 +144,44 @@ class LLMEngine:
 
     def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
         """Queues the request; a constrained one joins the scheduler once its grammar is compiled.
-        Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`, unless another
-        request of its `admission_group` (the same client request) was admitted already."""
+        Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`; the first
+        request of an `admission_group` (the same client request) is judged for the whole group, which
+        its other requests then join or are refused with (backend/admission.py)."""
         if request.request_id in self.output_processor.requests or request.request_id in self._compiling:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
-        bound = self.config.max_waiting_seqs
-        waiting = self._num_waiting_seqs()
-        # Sequences the free seats take at the next step are not queued.
-        if (
-            bound is not None
-            and waiting + request.params.n > bound + self.scheduler.num_free_seats
-            and not self._admission_groups.joins_admitted(admission_group)
-        ):
-            self._rejected += 1
-            raise EngineOverloaded(
-                f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); retry later",
-                code="overloaded",
-            )
+        if not self._admission_groups.joins_admitted(admission_group):
+            refusal = self._admission_groups.refusal(admission_group) or self._queue_refusal(request, admission_group)
+            if refusal is not None:
+                self._rejected += isinstance(refusal, EngineOverloaded)
+                self._admission_groups.refused(admission_group, refusal)
+                raise refusal
         self._admission_groups.admitted(admission_group)
         spec = request.params.structured_outputs
         if spec is None:
             self._schedule_request(request, None)
         else:
             self._compiling[request.request_id] = (request, self.structured_outputs.compiled(spec))
+
+    def _queue_refusal(self, request: GenerateRequest, group: AdmissionGroup | None) -> InvalidRequestError | None:
+        """Why the queue bound refuses the request with all of its group's sequences, or None."""
+        bound = self.config.max_waiting_seqs
+        if bound is None:
+            return None
+        prompts = 1 if group is None else max(group.size, 1)
+        needed = prompts * request.params.n
+        if needed > bound + self.config.max_num_seqs:  # never fits, not even on an idle server
+            return InvalidRequestError(
+                f"the request needs {needed} sequences ({prompts} prompts x n={request.params.n}); this server "
+                f"runs {self.config.max_num_seqs} and queues at most {bound}: send it in smaller parts",
+                "prompt" if prompts > 1 else "n",
+            )
+        waiting = self._num_waiting_seqs()
+        if waiting + needed > bound + self.scheduler.num_free_seats:  # the free seats take theirs at the next step
+            return EngineOverloaded(
+                f"the server is overloaded: {waiting} sequences are waiting (at most {bound}); retry later",
+                code="overloaded",
+            )
+        return None
 
     def _schedule_request(self, request: GenerateRequest, compiled_grammar) -> None:
         arrival = next(self._arrivals)

@@ -50,3 +50,18 @@ def test_members_that_never_come_are_forgotten():
     clock.now += admission.GROUP_TTL_S + 1
     groups.admitted(AdmissionGroup("last", 2))
     assert len(groups) == 1
+
+
+def test_a_refused_group_refuses_its_other_members_until_all_came():
+    from protocol import EngineOverloaded
+
+    groups = AdmissionGroups(Clock())
+    group = AdmissionGroup("req-2", 3)
+    error = EngineOverloaded("full", code="overloaded")
+    assert groups.refusal(group) is None
+    groups.refused(group, error)
+    assert groups.refusal(group) is error and not groups.joins_admitted(group)
+    groups.refused(group, groups.refusal(group))
+    assert groups.refusal(group) is error
+    groups.refused(group, error)  # all three came: forgotten
+    assert groups.refusal(group) is None and len(groups) == 0

@@ -272,22 +272,49 @@ def test_a_full_queue_refuses_new_requests_at_once():
     engine.add_request(engine.make_request("later", [1, 2, 3], params))  # room again
 
 
-def test_a_batch_larger_than_the_queue_is_admitted_as_one_and_served_whole():
+def test_a_batch_is_admitted_whole_when_all_of_it_fits():
     from protocol import AdmissionGroup, EngineOverloaded
 
     engine = tiny_engine(max_num_seqs=2, max_waiting_seqs=3)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    batch = AdmissionGroup("batch", 8)  # 8 prompts: more than 2 seats and 3 queued
-    for i in range(8):
+    batch = AdmissionGroup("batch", 5)  # 5 prompts: 2 seats and 3 queued, exactly
+    for i in range(5):
         engine.add_request(engine.make_request(f"batch-{i}", [1, 2, 3 + i], params), batch)
     with pytest.raises(EngineOverloaded):  # a lone request still meets the bound
         engine.add_request(engine.make_request("alone", [1, 2, 3], params))
-    with pytest.raises(EngineOverloaded):  # and so does the first of another batch
-        engine.add_request(engine.make_request("other-0", [1, 2, 3], params), AdmissionGroup("other", 2))
-    assert engine.stats().rejected_requests == 2 and engine.stats().num_waiting == 8
+    assert engine.stats().rejected_requests == 1 and engine.stats().num_waiting == 5
     outputs = run_to_completion(engine)
     finished = {o.request_id for o in outputs if isinstance(o, StepOutput) and o.request_finished}
-    assert finished == {f"batch-{i}" for i in range(8)}
+    assert finished == {f"batch-{i}" for i in range(5)}
+
+
+def test_a_batch_that_does_not_fit_is_refused_whole_and_never_overruns_the_queue():
+    from protocol import AdmissionGroup, EngineOverloaded
+
+    engine = tiny_engine(max_num_seqs=2, max_waiting_seqs=3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request(engine.make_request("running", [1, 2, 3], params))
+    engine.step()  # one seat taken: room for 1 seated + 3 queued
+    batch = AdmissionGroup("batch", 5)
+    for i in range(5):  # the first is judged for all five and refused; the others get the same refusal
+        with pytest.raises(EngineOverloaded, match="overloaded"):
+            engine.add_request(engine.make_request(f"batch-{i}", [1, 2, 3 + i], params), batch)
+    assert engine.stats().num_waiting == 0 and engine.stats().rejected_requests == 5
+    engine.add_request(engine.make_request("small", [1, 2, 3], params), AdmissionGroup("small", 1))
+    assert engine.stats().num_waiting == 1  # the queue is free for others
+
+
+def test_a_batch_that_could_never_fit_is_a_400_naming_the_prompt():
+    from protocol import AdmissionGroup, EngineOverloaded, InvalidRequestError
+
+    engine = tiny_engine(max_num_seqs=2, max_waiting_seqs=3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, n=2)
+    batch = AdmissionGroup("huge", 3)  # 3 prompts x n=2 = 6 sequences > 2 seats + 3 queued, even when idle
+    for i in range(3):
+        with pytest.raises(InvalidRequestError, match="needs 6 sequences") as refused:
+            engine.add_request(engine.make_request(f"huge-{i}", [1, 2, 3], params), batch)
+        assert refused.value.param == "prompt" and not isinstance(refused.value, EngineOverloaded)
+    assert engine.stats().num_waiting == 0 and engine.stats().rejected_requests == 0
 
 
 def test_a_sequence_cut_mid_character_gives_its_last_token_the_held_text():

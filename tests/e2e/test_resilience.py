@@ -59,21 +59,26 @@ async def test_overload_past_the_queue_bound_is_refused_at_once(own_servers):
         time.sleep(0.2)
 
 
-async def test_one_request_with_more_prompts_than_seats_and_queue_is_served_whole(own_servers):
+async def test_a_batch_is_admitted_whole_or_refused_whole(own_servers):
     """Its prompts are admitted as one (backend/admission.py): cut part way, it would be refused and told
-    to retry a request that could never fit."""
+    to retry part of itself; waved through whole, it would overrun the queue other clients wait in."""
     triton, frontend = own_servers
-    prompts = [f"Story number {i}:" for i in range(12)]  # 4 seats + 2 waiting
+    prompts = [f"Story number {i}:" for i in range(6)]  # 4 seats + 2 waiting: exactly what fits
     body = {"model": DEFAULT_MODEL, "prompt": prompts, "max_tokens": 4, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=frontend.url, timeout=120) as http:
         r = await http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        assert sorted(c["index"] for c in r.json()["choices"]) == list(range(12))
-        assert r.json()["usage"]["completion_tokens"] == 48
-        events, _ = await read_sse(http, {**body, "stream": True, "n": 2})
-    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
-    finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"] is not None]
-    assert sorted(c["index"] for c in finished) == list(range(24))
+        assert sorted(c["index"] for c in r.json()["choices"]) == list(range(6))
+        assert r.json()["usage"]["completion_tokens"] == 24
+        events, _ = await read_sse(http, {**body, "prompt": prompts[:3], "stream": True, "n": 2})
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"] is not None]
+        assert sorted(c["index"] for c in finished) == list(range(6))
+        r = await http.post("/v1/completions", json={**body, "prompt": prompts * 2})  # never fits
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "needs 12 sequences" in r.json()["error"]["message"]
+        r = await http.post("/v1/completions", json={**body, "prompt": prompts[0]})  # the server goes on
+        assert r.status_code == 200, r.text
 
 
 async def test_sigterm_drains_the_frontend(own_servers):
