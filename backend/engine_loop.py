@@ -5,12 +5,15 @@ EngineCoreProc, in one process): each thread is an object that owns its state.
   publishes stats, and sends a step's responses itself while the sender is idle and they fit the wait.
 - ResponseSender (backend/response_sender.py) sends the rest, joining a sequence's pending steps when behind.
 - CancelWatcher (backend/cancel_watcher.py) asks the sinks in turn whether their client went away.
+- InputStage (backend/input_stage.py) makes requests (tokenizes, validates) on worker threads of its own,
+  so the thread that hands them in never waits for one.
 
-What the threads share, and why: Triton's execute thread hands requests and cancel keys to the engine
-thread through queues, so it never waits for a step; the engine thread hands the sender frozen outputs
-through a queue, and the count of those not yet sent (ResponseSender) is what the next step waits on;
-the running requests' sinks are in one WatchedSinks, which all three threads use, because a sink must
-not be asked about once its last response is sent. Sinks are only passed along, to `send` and
+What the threads share, and why: Triton's execute thread hands requests (through the input stage)
+and cancel keys to the engine thread through queues, so it never waits for a step or for a request's
+making; the engine thread hands the sender frozen outputs through a queue, and the count of those not
+yet sent (ResponseSender) is what the next step waits on; the running requests' sinks are in one
+WatchedSinks, which the engine, sender and watcher threads use, because a sink must not be asked
+about once its last response is sent. Sinks are only passed along, to `send` and
 `is_cancelled`. Why responses go out between steps, and what each choice measured: docs/performance.md.
 
 Knows nothing about Triton: the adapter (triton_backend/adapter.py) gives it three callables (send an
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from backend.cancel_watcher import CancelWatcher, WatchedSinks
 from backend.engine_thread import EngineThread, Submission
+from backend.input_stage import InputStage
 from backend.response_sender import ResponseSender
 from backend.step_trace import StepTrace
 from protocol import AdmissionGroup, EngineOutput, GenerateRequest
@@ -56,6 +60,7 @@ class EngineLoop(Generic[Sink]):
         self._engine_thread: EngineThread[Sink] = EngineThread(
             build_engine, self._sender, watched, on_stats, trace, stream_interval
         )
+        self._input: InputStage[Sink] = InputStage(self._engine_thread.cancel, send)
         self._stopped = False
 
     @property
@@ -91,14 +96,36 @@ class EngineLoop(Generic[Sink]):
         by_message = sends_cancel_message and key is not None
         self._engine_thread.submit(Submission(request, sink, key, by_message, admission_group))
 
+    def make_and_submit(
+        self,
+        request_id: str,
+        make: Callable[[], GenerateRequest],
+        sink: Sink,
+        key: str | None = None,
+        sends_cancel_message: bool = False,
+        admission_group: AdmissionGroup | None = None,
+    ) -> None:
+        """Thread-safe, and returns at once: `make()` (e.g. the engine's make_request) runs on the input
+        stage's workers, and the request it makes is submitted as `submit` does; one it refuses gets its
+        failure sent to `sink`."""
+        self._input.make_and_submit(
+            request_id,
+            make,
+            lambda request: self.submit(request, sink, key, sends_cancel_message, admission_group),
+            sink,
+            key,
+        )
+
     def cancel(self, key: str) -> None:
         """Thread-safe: aborts the unfinished requests submitted under `key` (before the next step; each
-        ends with its sequences' last, aborted, outputs). A key that names none is ignored."""
-        self._engine_thread.cancel(key)
+        ends with its sequences' last, aborted, outputs), also those still being made. A key that names
+        none is ignored."""
+        self._input.cancel(key)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ends the threads; whatever still runs gets a failure as its last response."""
         self._stopped = True
+        self._input.stop()
         self._watcher.stop()
         self._engine_thread.stop()
         self._engine_thread.join(timeout)

@@ -194,6 +194,7 @@ class EngineThread(Generic[Sink]):
                 key = self._cancel_keys.get_nowait()
             except queue.Empty:
                 break
+            self._admit(block=False)  # what was submitted before the cancel (it may have come since _admit)
             for request_id in [rid for rid, k in self._keys.items() if k == key]:
                 self.engine.abort_request(request_id)
         for request_id, sink in self._watched.take_cancelled():

@@ -1,10 +1,12 @@
 """Triton requests in, engine responses out: one response per sequence per engine step.
 
-`execute` only parses and enqueues; the engine runs on its own thread (backend/engine_loop.py), which
-hands each StepOutput to a sender as one response. The tensor names are the wire contract of
-docs/wire-contract.md.
+`execute` only parses tensors and enqueues: requests are made (tokenized, validated) on the input
+stage's threads and the engine runs on its own (backend/engine_loop.py), which hands each StepOutput
+to a sender as one response. So a health probe is answered at once, however long another request
+takes to make. The tensor names are the wire contract of docs/wire-contract.md.
 """
 
+import functools
 import itertools
 import json
 import os
@@ -77,8 +79,9 @@ class EngineAdapter:
                 prompt, params = _parse(request)
                 key = request.request_id() or None  # what a cancel message names it by
                 parameters = request.parameters()
-                self.loop.submit(
-                    self.engine.make_request(request_id, prompt, params),
+                self.loop.make_and_submit(  # made on the input stage's threads: probes never wait for it
+                    request_id,
+                    functools.partial(self.engine.make_request, request_id, prompt, params),
                     sender,
                     key,
                     wire.sends_cancel_message(parameters),
