@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from pydantic import MISSING
 
-from openai_frontend.chat_template import render_chat, template_reads_tools
+from openai_frontend.chat_prompt import ChatInput, rendered_text
 from openai_frontend.constraints import request_constraint, tool_call_constraint
-from openai_frontend.engine_client import EngineClient
+from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.generation import Usage
 from openai_frontend.logprobs import chat_logprobs
@@ -41,10 +41,21 @@ from openai_frontend.streams import (
     usage_field,
 )
 from openai_frontend.tokenizers import Tokenizers
-from openai_frontend.tool_calls import ToolCallStream, forced_call_schema, template_messages, template_tools, tool_plan
+from openai_frontend.tool_calls import ToolCallStream, forced_call_schema, tool_plan
+from tokenization.tokenizer import Tokenizer
 
 _ROLE = DeltaMessage(role="assistant", content="")
 _NO_DELTA = DeltaMessage()
+
+
+def _chat_prompt(
+    model: ModelInfo, chat: ChatInput, tokenizer: Tokenizer | None, keep: int | None, as_ids: bool
+) -> Prompt:
+    """What the engine is sent for `chat` (plans.engine_prompt); the tokenizer is given where it is needed."""
+    text = rendered_text(model, chat)
+    if tokenizer is None:
+        return text
+    return engine_prompt(text, tokenizer.encode, keep, as_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +122,13 @@ class ChatService:
         )
         usage = usage_options(req, force_usage)
         model = await self.engine.model_config(req.model)
-        knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
-        messages = template_messages(req.messages, tools, knows_tools)
-        prompt: Prompt = render_chat(
-            model,
-            messages,
-            template_tools(tools) if knows_tools else None,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs,
-        )
         keep = kept_prompt_tokens(req, model)
-        if req.return_token_ids or keep is not None:
-            encode = (await self.tokenizers.get(model)).encode
-            prompt = engine_prompt(prompt, encode, keep, as_ids=bool(req.return_token_ids))
+        as_ids = bool(req.return_token_ids)
+        tokenizer = await self.tokenizers.get(model) if as_ids or keep is not None else None
+        chat = ChatInput(
+            req.messages, tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
+        prompt = await self.tokenizers.run(chat.work_chars(), _chat_prompt, model, chat, tokenizer, keep, as_ids)
         last = req.messages[-1]
         return ChatPlan.of(
             req,

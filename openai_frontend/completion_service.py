@@ -37,6 +37,7 @@ from openai_frontend.streams import (
     usage_field,
 )
 from openai_frontend.tokenizers import Tokenizers
+from tokenization.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,16 +89,13 @@ class CompletionService:
         # The frontend's tokenizer is needed to show token-id prompts as text, and to send text prompts as ids.
         echo_ids = bool(req.echo) and any(not isinstance(p, str) for p in prompts)
         needs_tokenizer = echo_ids or req.return_token_ids or keep is not None
-        tokenizer = await self.tokenizers.get(model) if needs_tokenizer else None
-        if keep is not None:  # a prompt that is cut goes as the ids kept, and echo shows their text
-            prompts = tuple(engine_prompt(p, tokenizer.encode, keep, as_ids=False) for p in prompts)
-        echo_texts = None
-        if req.echo:
-            echo_texts = tuple(
-                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts
+        echo_texts = tuple(p for p in prompts if isinstance(p, str)) if req.echo else None  # (all text here)
+        if needs_tokenizer:
+            tokenizer = await self.tokenizers.get(model)
+            chars = sum(len(p) for p in prompts)
+            prompts, echo_texts = await self.tokenizers.run(
+                chars, _engine_prompts, prompts, tokenizer, keep, bool(req.echo), bool(req.return_token_ids)
             )
-        if req.return_token_ids:  # sent as ids, so the ids returned are the ones the engine ran
-            prompts = tuple(engine_prompt(p, tokenizer.encode, None, as_ids=True) for p in prompts)
         return CompletionPlan.of(
             req,
             id_prefix="cmpl",
@@ -166,6 +164,20 @@ class CompletionService:
     def _usage(gen: Generation, plan: CompletionPlan) -> Usage:
         """Usage counts what the response shows: echo with max_tokens 0 completes no token."""
         return Usage(gen.usage.prompt_tokens, 0) if plan.echo_only else gen.usage
+
+
+def _engine_prompts(
+    prompts: tuple[Prompt, ...], tokenizer: Tokenizer, keep: int | None, echo: bool, as_ids: bool
+) -> tuple[tuple[Prompt, ...], tuple[str, ...] | None]:
+    """The prompts the engine is sent (plans.engine_prompt) and, with echo, the text each choice starts with."""
+    if keep is not None:  # a prompt that is cut goes as the ids kept, and echo shows their text
+        prompts = tuple(engine_prompt(p, tokenizer.encode, keep, as_ids=False) for p in prompts)
+    echo_texts = None
+    if echo:
+        echo_texts = tuple(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts)
+    if as_ids:  # sent as ids, so the ids returned are the ones the engine ran
+        prompts = tuple(engine_prompt(p, tokenizer.encode, None, as_ids=True) for p in prompts)
+    return prompts, echo_texts
 
 
 def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:

@@ -14,6 +14,6 @@ from openai_frontend.tokenizers import Tokenizers
 
 class Service:
     def __init__(self, engine: EngineClient, settings: Settings, metrics: Metrics) -> None:
-        self.tokenizers = Tokenizers(settings.tokenizer)
+        self.tokenizers = Tokenizers(settings.tokenizer, settings.prompt_threads)
         self.completions = CompletionService(engine, settings, metrics, self.tokenizers)
         self.chat = ChatService(engine, settings, metrics, self.tokenizers)

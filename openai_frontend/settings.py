@@ -38,6 +38,7 @@ class Settings:
     max_header_bytes: int = 64 * 1024
     keep_alive_timeout_s: int = 5
     max_connections: int = 4096  # open connections and requests; past it a 503
+    prompt_threads: int = 2  # threads that tokenize and render big prompts off the event loop (tokenizers.py)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -54,6 +55,8 @@ class Settings:
             raise ValueError("--header-timeout-s and --body-timeout-s must be > 0, --keep-alive-timeout-s >= 1")
         if self.max_header_bytes < 1024 or self.max_connections < 1:
             raise ValueError("--max-header-bytes must be >= 1024 and --max-connections >= 1")
+        if self.prompt_threads < 1:
+            raise ValueError("--prompt-threads must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 
@@ -159,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="open connections and requests at once; past it new ones get a 503",
     )
     parser.add_argument(
+        "--prompt-threads",
+        type=int,
+        default=limits.prompt_threads,
+        help="threads that tokenize prompts and render chat templates of big requests, so that the "
+        "event loop (every other request, the health probe) never waits on them",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -188,6 +198,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             max_header_bytes=args.max_header_bytes,
             keep_alive_timeout_s=args.keep_alive_timeout_s,
             max_connections=args.max_connections,
+            prompt_threads=args.prompt_threads,
         )
     except ValueError as e:
         parser.error(str(e))

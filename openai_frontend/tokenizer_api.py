@@ -6,14 +6,15 @@ Their shapes are vLLM's. `model` may be left out when the server serves one mode
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from openai_frontend.chat_template import render_chat, template_reads_tools
+from openai_frontend.chat_prompt import ChatInput, rendered_text
 from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from openai_frontend.tokenizers import Tokenizers
-from openai_frontend.tool_calls import ToolPlan, template_messages, template_tools
+from openai_frontend.tool_calls import ToolPlan
 from tokenization.tokenizer import Tokenizer
 
 
@@ -21,39 +22,21 @@ class TokenizerAPI:
     def __init__(self, engine: EngineClient, tokenizers: Tokenizers) -> None:
         self.engine, self.tokenizers = engine, tokenizers
 
-    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> bytes:
+        """The JSON body of /tokenize's answer (encoded with the tokenizing: a big prompt's ids take a while)."""
         model, tokenizer = await self._model(req.model)
         if isinstance(req, TokenizeChatRequest):
             plan = ToolPlan("auto", tuple(req.tools)) if req.tools else ToolPlan("none")
-            knows_tools = bool(model.chat_template) and template_reads_tools(model.name, model.chat_template)
-            text = render_chat(
-                model,
-                template_messages(req.messages, plan, knows_tools),
-                template_tools(plan) if knows_tools else None,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                template_kwargs=req.chat_template_kwargs,
+            chat = ChatInput(
+                req.messages, plan, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
             )
-        else:
-            text = req.prompt
-        tokens = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return {
-            "count": len(tokens),
-            "max_model_len": model.max_model_len,
-            "tokens": tokens,
-            "token_strs": [tokenizer.token_text(t) for t in tokens] if req.return_token_strs else None,
-        }
+            return await self.tokenizers.run(chat.work_chars(), _tokenized_chat, model, tokenizer, chat, req)
+        return await self.tokenizers.run(len(req.prompt), _tokenized, model, tokenizer, req.prompt, req)
 
-    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> bytes:
+        """The JSON body of /detokenize's answer."""
         _, tokenizer = await self._model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size}: "
-                f"ids 0..{tokenizer.vocab_size - 1})",
-                "tokens",
-            )
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return await self.tokenizers.run(len(req.tokens), _detokenized, tokenizer, req.tokens)
 
     async def tokenizer_info(self, model_name: str | None) -> dict[str, Any]:
         model, tokenizer = await self._model(model_name)
@@ -81,3 +64,46 @@ class TokenizerAPI:
         else:
             model = await self.engine.model_config(name)  # ModelNotFound -> 404
         return model, await self.tokenizers.get(model)
+
+
+def _tokenized_chat(model: ModelInfo, tokenizer: Tokenizer, chat: ChatInput, req: TokenizeChatRequest) -> bytes:
+    return _tokenized(model, tokenizer, rendered_text(model, chat), req)
+
+
+def _tokenized(
+    model: ModelInfo, tokenizer: Tokenizer, text: str, req: TokenizeCompletionRequest | TokenizeChatRequest
+) -> bytes:
+    """/tokenize's answer for `text`."""
+    tokens = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    strs = [tokenizer.token_text(t) for t in tokens] if req.return_token_strs else None
+    head = _json({"count": len(tokens), "max_model_len": model.max_model_len})[:-1]
+    return b"".join((head, b',"tokens":', _json_list(tokens), b',"token_strs":', _json_list(strs), b"}"))
+
+
+def _detokenized(tokenizer: Tokenizer, tokens: list[int]) -> bytes:
+    """/detokenize's answer for `tokens`."""
+    bad = next((t for t in tokens if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size}: "
+            f"ids 0..{tokenizer.vocab_size - 1})",
+            "tokens",
+        )
+    return _json({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+# Items per piece of a long list's JSON: one encoder call holds the GIL throughout, a piece only briefly.
+_JSON_PIECE_ITEMS = 16384
+
+
+def _json_list(items: list[int] | list[str] | None) -> bytes:
+    """`items` as JSON, encoded piece by piece so that the event loop's thread runs in between."""
+    if items is None:
+        return b"null"
+    pieces = (_json(items[i : i + _JSON_PIECE_ITEMS])[1:-1] for i in range(0, len(items), _JSON_PIECE_ITEMS))
+    return b"[" + b",".join(pieces) + b"]"
+
+
+def _json(answer: Any) -> bytes:
+    """A body as Starlette's JSONResponse encodes it."""
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")

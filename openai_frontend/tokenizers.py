@@ -1,5 +1,6 @@
 """The frontend's own copy of each model's tokenizer, for what needs token ids before or beside the
-engine: /tokenize, /detokenize, /tokenizer_info, echo of token-id prompts and `return_token_ids`.
+engine: /tokenize, /detokenize, /tokenizer_info, echo of token-id prompts, `return_token_ids` and
+`truncate_prompt_tokens`; and the threads that prompt work (tokenizing, chat templates) runs on.
 
 The engine tokenizes every prompt itself; the frontend loads the same tokenizer (tokenization.model_files,
 no torch) from the source named by the model's Triton `model` parameter, or from `--tokenizer`.
@@ -9,11 +10,22 @@ Loaded once per source on first use, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import FrontendError
 from tokenization.model_files import load_tokenizer
 from tokenization.tokenizer import Tokenizer
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Prompt work on at most this many characters runs on the event loop: it takes less time than a hop to a
+# thread and back, and a small request never queues behind a big one.
+INLINE_WORK_CHARS = 4096
 
 
 class TokenizerUnavailable(FrontendError):
@@ -22,9 +34,10 @@ class TokenizerUnavailable(FrontendError):
 
 
 class Tokenizers:
-    def __init__(self, override: str | None = None) -> None:
+    def __init__(self, override: str | None = None, threads: int = 2) -> None:
         self.override = override
         self._loaded: dict[str, asyncio.Task[Tokenizer]] = {}
+        self._workers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prompt-work")
 
     async def get(self, model: ModelInfo) -> Tokenizer:
         source = self.override or model.tokenizer_source
@@ -42,3 +55,12 @@ class Tokenizers:
             raise TokenizerUnavailable(
                 f"cannot load the tokenizer of model `{model.name}` from {source!r}: {e}"
             ) from None
+
+    async def run(self, chars: int, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`work(*args, **kwargs)`, prompt work on about `chars` characters: on a worker thread unless it
+        is small, so that tokenizing or rendering a big prompt never holds up the event loop (and with it
+        every other request and the health probe)."""
+        if chars <= INLINE_WORK_CHARS:
+            return work(*args, **kwargs)
+        call = functools.partial(work, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, call)

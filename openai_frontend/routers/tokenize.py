@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Request
+from fastapi.responses import Response
 
 from openai_frontend.routers.common import parse_body, require_api_key
 from openai_frontend.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -13,16 +14,20 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request, body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+async def tokenize(request: Request, body: dict[str, Any] = Body(...)) -> Response:
     schema = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
-    return await request.app.state.tokenizer_api.tokenize(parse_body(schema, body))
+    return _json(await request.app.state.tokenizer_api.tokenize(parse_body(schema, body)))
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    return await request.app.state.tokenizer_api.detokenize(body)
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    return _json(await request.app.state.tokenizer_api.detokenize(body))
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
     return await request.app.state.tokenizer_api.tokenizer_info(model)
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
