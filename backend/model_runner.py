@@ -13,6 +13,7 @@ import torch
 
 from backend import huge_pages
 from backend.attention import AttentionMetadata, allocate_kv_caches
+from backend.logits_processors import FixedInputs
 from backend.models import CausalLM
 from backend.sampler import SampledToken, Sampler, SamplingRow, TokenScore, make_generator, score_tokens
 from backend.scheduler import ScheduledSequence, SchedulerOutput
@@ -172,6 +173,8 @@ class ModelRunner:
             # Created once per sequence and kept across preemption, so a resumed sequence
             # continues the same random stream and yields the same tokens.
             seq.generator = make_generator(seq.params.seed, seq.seq_index)
+        if seq.logits_inputs is None:
+            seq.logits_inputs = FixedInputs(seq.params, self.eos_token_ids)
         return SamplingRow(
             params=seq.params,
             generator=seq.generator,
@@ -179,6 +182,7 @@ class ModelRunner:
             output_token_ids=tuple(seq.output_token_ids),
             eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=seq.bad_words_token_ids,
+            fixed=seq.logits_inputs,
         )
 
     def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.logits_processors import apply_grammar, apply_logits_processors
+from backend.logits_processors import FixedInputs, apply_grammar, apply_logits_processors
 from backend.structured_output import TokenBitmask
 from kernels import cpu_kernels
 from protocol import MAX_LOGPROBS, SamplingParams
@@ -51,6 +51,7 @@ class SamplingRow:
     output_token_ids: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    fixed: FixedInputs | None = None  # the sequence's fixed processor inputs as tensors (None: built per call)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ so they share the prompt's KV blocks and each samples its first token from the l
 
 The scheduler reads and advances `num_computed_tokens` and `status`, appends the sampled tokens and
 frees finished sequences; the engine owns the opaque per-sequence slots (`generator`, `detokenizer`,
-`stop_matcher`, `next_step`, `finish_reason`, `grammar`, `prompt_scores`, `prompt_logprobs`), which the
+`stop_matcher`, `next_step`, `finish_reason`, `grammar`, `logits_inputs`, `prompt_scores`, `prompt_logprobs`), which the
 scheduler never touches. No torch here.
 """
 
@@ -52,6 +52,7 @@ class Sequence:
         "next_step",
         "finish_reason",
         "grammar",
+        "logits_inputs",
         "prompt_scores",
         "prompt_logprobs",
     )
@@ -85,6 +86,7 @@ class Sequence:
         self.next_step = 0
         self.finish_reason: FinishReason | None = None
         self.grammar: Any = None  # structured_output.GrammarState of a constrained sequence
+        self.logits_inputs: Any = None  # logits_processors.FixedInputs, built at its first sampled step
         self.prompt_scores: list[Any] | None = None  # sampler.TokenScore per prompt token 1..P-1, while prefilling
         self.prompt_logprobs: Any = None  # types.PromptLogprobs, built from prompt_scores at the first sample
 

@@ -428,3 +428,25 @@ def test_degenerate_logits_do_not_crash_the_batch(fill):
     ]
     out = Sampler().sample(x, rows)
     assert all(0 <= t.token_id < 300 for t in out)
+
+
+def test_a_sequences_fixed_processor_inputs_are_built_once_and_give_what_a_fresh_build_gives():
+    p = SamplingParams(
+        temperature=0.0,
+        min_tokens=3,
+        stop_token_ids=(4, 99),
+        logit_bias=((7, 5.0), (60, 1.0)),
+        allowed_token_ids=(7, 9),
+    )
+    fixed = logits_processors.FixedInputs(p, (EOS,))
+    first = fixed.tensors(50, torch.device("cpu"))
+    assert fixed.tensors(50, torch.device("cpu")) is first  # kept for the sequence's later steps
+    assert first.min_tokens_banned.tolist() == [EOS, 4]  # 99 is past the vocabulary
+    assert first.bias_ids.tolist() == [7] and first.bias_values.tolist() == [5.0]
+    assert (~first.disallowed).nonzero().flatten().tolist() == [7, 9]
+    x = logits_for(8, 3, 50)
+    kept = [SamplingRow(p, None, (5, 6), (1,) * i, (EOS,), fixed=fixed) for i in range(3)]
+    fresh = [SamplingRow(p, None, (5, 6), (1,) * i, (EOS,)) for i in range(3)]
+    assert torch.equal(
+        logits_processors.apply_logits_processors(x, kept), logits_processors.apply_logits_processors(x, fresh)
+    )
