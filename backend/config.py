@@ -28,6 +28,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     compile: bool = False  # CPU: torch.compile the decode-only forward (slow start; backend/compiled_decode.py)
     stream_interval: int = 1  # a response per sequence every N steps (its first and last at once); served only
+    # Grammar compilation (backend/structured_output.py): a constraint not compiled within the timeout, or
+    # compiled to more than grammar_max_mib, is refused (a 400); compiled grammars kept in grammar_cache_mib.
+    grammar_compile_timeout_s: float = 5.0
+    grammar_max_mib: int = 32
+    grammar_cache_mib: int = 256
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -45,6 +50,9 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 16, "max_model_len must be >= 16")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         check(self.stream_interval >= 1, "stream_interval must be >= 1")
+        check(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s must be > 0")
+        check(self.grammar_max_mib >= 1, "grammar_max_mib must be >= 1")
+        check(self.grammar_cache_mib >= self.grammar_max_mib, "grammar_cache_mib must be >= grammar_max_mib")
         check(not self.compile or self.device == "cpu", "compile is for the CPU path (CUDA runs the Triton kernels)")
 
     @classmethod
