@@ -149,6 +149,12 @@ def test_pods_and_images_run_unprivileged_within_limits():
         assert security["runAsNonRoot"] and security["allowPrivilegeEscalation"] is False
         assert security["capabilities"]["drop"] == ["ALL"]
         assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+        # A read-only root: what the servers write (temporary files, caches under HOME, logs) is on volumes.
+        assert security["readOnlyRootFilesystem"] is True
+        volumes = {v["name"]: v for v in objects[("Deployment", name)]["spec"]["template"]["spec"]["volumes"]}
+        mounted = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+        home = next(e["value"] for e in c["env"] if e["name"] == "HOME")
+        assert {"/tmp", "/app/artifacts", home} <= set(mounted) and all("emptyDir" in v for v in mounted.values())
         user = security["runAsUser"]
         for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
             assert f"USER {user}" in (REPO_ROOT / "docker" / dockerfile).read_text()
