@@ -4,20 +4,49 @@
 suffix, ...) is a 400 that names it, never silently ignored. Inside a message unknown fields are
 ignored (vLLM's rule), because clients send back OpenAI's own response fields there. Range checks of
 sampling values live in protocol.SamplingParams (one place); the schemas check types and the
-OpenAI-only rules.
+OpenAI-only rules, and bound what the frontend itself pays for before the engine sees a request.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from openai_frontend.errors import InvalidRequest
+from protocol.sampling import MAX_TOKEN_ID
+
+# Sizes a client chooses and the frontend pays for (validating, rendering the chat template, one engine
+# request per prompt): OpenAI's bound where it has one (tools, tool_calls), elsewhere one no real request
+# nears. Past a bound the request is a 400 naming the field (docs/security.md). The sampling lists'
+# bounds are protocol.SamplingParams'.
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024  # parts of one message's content
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # calls in one assistant message
+MAX_TOOL_PARAMETERS_CHARS = 32768  # a tool's parameters schema, as compact JSON
+MAX_JSON_DEPTH = 128  # levels of nesting anywhere in a body
+_TOKEN_ID_LISTS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Request(_Strict):
+    """A request body. Before its fields are read, the body is walked once: JSON may carry a lone UTF-16
+    surrogate ("\\ud800"), which no UTF-8 text can hold, and nesting that Python's parser reads but
+    later walks (validation, encoding a schema, a template's tojson) would run out of stack on. Either
+    is a 400 here rather than a 500 there. (Raised as InvalidRequest, which pydantic does not wrap, so
+    `param` is the field's path, not a union member's.)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed(cls, data: Any) -> Any:
+        _check_json(data, "", 0)
+        return data
 
 
 class StreamOptions(_Strict):
@@ -56,7 +85,7 @@ class StructuredOutputsField(_Strict):
     disable_any_whitespace: bool | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extra sampling ones)."""
 
     model: str
@@ -101,19 +130,14 @@ class SamplingFields(_Strict):
             raise InvalidRequest("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         return self
 
-    @model_validator(mode="before")
+    @field_validator("logit_bias")
     @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text can hold: a 400 here
-        rather than a 500 where the prompt is encoded. (Raised as InvalidRequest, which pydantic does
-        not wrap, so `param` is the field's path, not a union member's.)"""
-        where = _unencodable_text(data, "")
-        if where is not None:
-            raise InvalidRequest(
-                f"{where or 'body'} is not valid Unicode text: it holds a lone surrogate (\\ud800-\\udfff)",
-                where or None,
-            )
-        return data
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys in decimal digits only: int() would also read " 5", "5_0" and other scripts' digits."""
+        bad = next((k for k in value or () if not (k.isascii() and k.isdigit())), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias key {bad!r} is not a token id (a decimal integer)", "logit_bias")
+        return value
 
 
 class CompletionRequest(SamplingFields):
@@ -122,6 +146,25 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts_bounded(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        """At most MAX_PROMPTS prompts, and token ids the wire can carry (the engine checks its vocabulary):
+        an id past INT32 would otherwise wrap where the frontend casts it."""
+        if isinstance(value, str) or not value:
+            return value
+        if isinstance(value[0], int):
+            _require_prompt_token_ids(value)  # one prompt of token ids
+            return value
+        if len(value) > MAX_PROMPTS:
+            raise InvalidRequest(f"prompt holds at most {MAX_PROMPTS} prompts (got {len(value)})", "prompt")
+        for prompt in value:
+            if isinstance(prompt, list):
+                _require_prompt_token_ids(prompt)
+        return value
 
 
 class TextPart(_Strict):
@@ -149,7 +192,8 @@ class ChatMessage(BaseModel):
 
     # OpenAI's roles, and any other a chat template knows (vLLM passes custom roles on to the template).
     role: str = Field(min_length=1)
-    tool_calls: list[ToolCall] | None = None  # assistant (before content: content's check reads it)
+    # an assistant's, at most OpenAI's bound (before content: content's check reads it)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # tool
@@ -166,7 +210,7 @@ class ChatMessage(BaseModel):
     def _has_content(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
         if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
             raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
-        return value
+        return _parts_bounded(value)
 
     def text(self) -> str:
         """Text parts are joined with a newline, as vLLM does."""
@@ -183,6 +227,16 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":"))) if value is not None else 0
+        if size > MAX_TOOL_PARAMETERS_CHARS:
+            raise ValueError(
+                f"a tool's parameters schema holds at most {MAX_TOOL_PARAMETERS_CHARS} characters as JSON (got {size})"
+            )
+        return value
+
 
 class Tool(_Strict):
     type: Literal["function"]
@@ -190,7 +244,8 @@ class Tool(_Strict):
 
 
 # OpenAI's bounds: an empty list is a 400 there (and in vLLM), as is a 129th tool.
-Tools = Annotated[list[Tool], Field(min_length=1, max_length=128)]
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class NamedFunction(_Strict):
@@ -206,9 +261,14 @@ class Prediction(_Strict):
     type: Literal["content"]
     content: str | list[TextPart]
 
+    @field_validator("content")
+    @classmethod
+    def _content_bounded(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        return _parts_bounded(value)
+
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -264,7 +324,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(_Request):
     """vLLM's POST /tokenize with a prompt."""
 
     model: str | None = None  # None: the one model served
@@ -273,11 +333,11 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_Request):
     """vLLM's POST /tokenize with chat messages: the prompt the chat template renders."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -286,26 +346,52 @@ class TokenizeChatRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
 
-def _unencodable_text(value: Any, path: str) -> str | None:
-    """The path (e.g. `messages.0.content`) of the first string that cannot be UTF-8 encoded, or None."""
+def _parts_bounded(content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+        raise ValueError(f"content holds at most {MAX_CONTENT_PARTS} parts (got {len(content)})")
+    return content
+
+
+def _require_prompt_token_ids(ids: list[int]) -> None:
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise InvalidRequest(
+            f"prompt holds {bad}, which is not a token id (an integer in [0, {MAX_TOKEN_ID}])", "prompt"
+        )
+
+
+def _check_json(value: Any, path: str, depth: int) -> None:
+    """Raises InvalidRequest naming the field (e.g. `messages.0.content`) of the first string UTF-8 cannot
+    hold, or of a value nested deeper than MAX_JSON_DEPTH."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
+            raise InvalidRequest(
+                f"{path or 'body'} is not valid Unicode text: it holds a lone surrogate (\\ud800-\\udfff)",
+                path or None,
+            ) from None
+        return
+    if not isinstance(value, (dict, list)):
+        return
+    if depth >= MAX_JSON_DEPTH:
+        raise InvalidRequest(f"{path} nests more than {MAX_JSON_DEPTH} levels deep", path)
+    if isinstance(value, dict):
         for key, item in value.items():
-            where = _unencodable_text(key, path) or _unencodable_text(item, f"{path}.{key}" if path else str(key))
-            if where is not None:
-                return where
-    elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # token ids: nothing to check
+            _check_json(key, path, depth)
+            _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif not _holds_token_ids(value, path):
         for i, item in enumerate(value):
-            where = _unencodable_text(item, f"{path}.{i}")
-            if where is not None:
-                return where
-    return None
+            _check_json(item, f"{path}.{i}", depth + 1)
+
+
+def _holds_token_ids(value: list[Any], path: str) -> bool:
+    """A list of token ids needs no walk: validation refuses anything in it but integers."""
+    field, _, index = path.partition(".")
+    listed = field in _TOKEN_ID_LISTS and (not index or (field == "prompt" and index.isdigit()))
+    return listed and bool(value) and type(value[0]) is int

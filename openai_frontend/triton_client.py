@@ -46,10 +46,12 @@ from openai_frontend.errors import (
     EngineFailure,
     EngineUnavailable,
     FrontendError,
+    InvalidRequest,
     ModelNotFound,
     from_engine_message,
 )
 from protocol import AdmissionGroup, SamplingParams, StepOutput, wire
+from protocol.sampling import MAX_TOKEN_ID
 
 FINAL_FLAG = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
@@ -71,6 +73,8 @@ def build_request(
     if isinstance(prompt, str):
         _add_bytes_input(request, "text_input", [prompt])
     else:
+        if prompt and (min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID):  # numpy would wrap it, or overflow
+            raise InvalidRequest(f"prompt token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
         request.inputs.add(name="input_ids", datatype="INT32", shape=[len(prompt)])
         request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
     _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -119,13 +120,19 @@ class StructuredOutputs:
 
 def schema_text(schema: Any, param: str) -> str:
     """A JSON schema (object, or its JSON text) as compact JSON text, key order kept."""
-    if isinstance(schema, str):
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
+        _require(isinstance(schema, (dict, bool)), "a JSON schema must be a JSON object", param)
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
-    _require(isinstance(schema, (dict, bool)), "a JSON schema must be a JSON object", param)
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+            return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # Python's parser reads NaN and Infinity, which JSON (and the grammar compiler) does not
+            raise InvalidRequestError("a JSON schema must not hold NaN or Infinity", param) from None
+    except RecursionError:
+        raise InvalidRequestError("the JSON schema nests too deeply", param) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +213,7 @@ class SamplingParams:
             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
             "stop_token_ids",
         )
-        _require(
-            all(_token_id(t) for t in self.stop_token_ids),
-            "stop_token_ids must be token ids (non-negative integers)",
-            "stop_token_ids",
-        )
+        _require_token_ids(self.stop_token_ids, "stop_token_ids")
         _require(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
@@ -237,8 +240,9 @@ class SamplingParams:
         _require(
             len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias"
         )
+        _require_token_ids((t for t, _ in self.logit_bias), "logit_bias")
         _require(
-            all(_token_id(t) and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            all(_finite(b) and -100 <= b <= 100 for _, b in self.logit_bias),
             "logit_bias maps token ids to values in [-100, 100]",
             "logit_bias",
         )
@@ -249,14 +253,11 @@ class SamplingParams:
         )
         _require(
             self.allowed_token_ids is None
-            or (
-                isinstance(self.allowed_token_ids, tuple)
-                and len(self.allowed_token_ids) > 0
-                and all(_token_id(t) for t in self.allowed_token_ids)
-            ),
+            or (isinstance(self.allowed_token_ids, tuple) and len(self.allowed_token_ids) > 0),
             "allowed_token_ids must be a non-empty list of token ids",
             "allowed_token_ids",
         )
+        _require_token_ids(self.allowed_token_ids or (), "allowed_token_ids")
         _require(
             self.cache_salt is None
             or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
@@ -335,6 +336,15 @@ class SamplingParams:
         else:
             out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
+
+
+def _require_token_ids(ids: Iterable[object], param: str) -> None:
+    """Every id a token id the wire can carry (the engine checks them against its vocabulary)."""
+    for t in ids:
+        if not _token_id(t):
+            raise InvalidRequestError(
+                f"{param} holds {t!r}, which is not a token id (an integer in [0, {MAX_TOKEN_ID}])", param
+            )
 
 
 def _token_id(x: object) -> bool:
