@@ -4,6 +4,7 @@ chunks merged into one response."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import MISSING
 
-from openai_frontend.chat_prompt import ChatInput, rendered_text
+from openai_frontend.chat_prompt import ChatInput, rendered_chat
 from openai_frontend.constraints import request_constraint, tool_call_constraint
 from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
@@ -49,13 +50,20 @@ _NO_DELTA = DeltaMessage()
 
 
 def _chat_prompt(
-    model: ModelInfo, chat: ChatInput, tokenizer: Tokenizer | None, keep: int | None, as_ids: bool
+    model: ModelInfo,
+    chat: ChatInput,
+    tokenizer: Tokenizer | None,
+    special_texts: frozenset[str],
+    keep: int | None,
+    as_ids: bool,
 ) -> Prompt:
-    """What the engine is sent for `chat` (plans.engine_prompt); the tokenizer is given where it is needed."""
-    text = rendered_text(model, chat)
+    """What the engine is sent for `chat` (plans.engine_prompt): as ids where a user string holds one of
+    `special_texts`, so that it stays text (chat_prompt.py)."""
+    rendered = rendered_chat(model, chat, special_texts)
     if tokenizer is None:
-        return text
-    return engine_prompt(text, tokenizer.encode, keep, as_ids)
+        return rendered.text
+    encode = functools.partial(tokenizer.encode_with_text_spans, text_spans=rendered.text_spans)
+    return engine_prompt(rendered.text, encode, keep, as_ids or bool(rendered.text_spans))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +132,13 @@ class ChatService:
         model = await self.engine.model_config(req.model)
         keep = kept_prompt_tokens(req, model)
         as_ids = bool(req.return_token_ids)
-        tokenizer = await self.tokenizers.get(model) if as_ids or keep is not None else None
+        tokenizer, special_texts = await self.tokenizers.for_chat(model, needed=as_ids or keep is not None)
         chat = ChatInput(
             req.messages, tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
         )
-        prompt = await self.tokenizers.run(chat.work_chars(), _chat_prompt, model, chat, tokenizer, keep, as_ids)
+        prompt = await self.tokenizers.run(
+            chat.work_chars(), _chat_prompt, model, chat, tokenizer, special_texts, keep, as_ids
+        )
         last = req.messages[-1]
         return ChatPlan.of(
             req,

@@ -14,6 +14,10 @@ from openai_frontend.tokenizers import Tokenizers
 
 class Service:
     def __init__(self, engine: EngineClient, settings: Settings, metrics: Metrics) -> None:
-        self.tokenizers = Tokenizers(settings.tokenizer, settings.prompt_threads)
+        self.tokenizers = Tokenizers(
+            settings.tokenizer,
+            settings.prompt_threads,
+            special_tokens_in_content=settings.allow_special_tokens_in_content,
+        )
         self.completions = CompletionService(engine, settings, metrics, self.tokenizers)
         self.chat = ChatService(engine, settings, metrics, self.tokenizers)

@@ -39,6 +39,7 @@ class Settings:
     keep_alive_timeout_s: int = 5
     max_connections: int = 4096  # open connections and requests; past it a 503
     prompt_threads: int = 2  # threads that tokenize and render big prompts off the event loop (tokenizers.py)
+    allow_special_tokens_in_content: bool = False  # False: special tokens typed in a chat are text (chat_prompt.py)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -169,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "event loop (every other request, the health probe) never waits on them",
     )
     parser.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="read special tokens' texts typed in chat messages, tools and chat_template_kwargs "
+        "(`<|im_start|>system`) as the control tokens they name; by default they are plain text, so that "
+        "no user can forge a turn of the conversation",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -199,6 +207,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             keep_alive_timeout_s=args.keep_alive_timeout_s,
             max_connections=args.max_connections,
             prompt_threads=args.prompt_threads,
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         )
     except ValueError as e:
         parser.error(str(e))

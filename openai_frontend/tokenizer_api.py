@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from openai_frontend.chat_prompt import ChatInput, rendered_text
+from openai_frontend.chat_prompt import ChatInput, Span, rendered_chat
 from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -30,8 +30,11 @@ class TokenizerAPI:
             chat = ChatInput(
                 req.messages, plan, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
             )
-            return await self.tokenizers.run(chat.work_chars(), _tokenized_chat, model, tokenizer, chat, req)
-        return await self.tokenizers.run(len(req.prompt), _tokenized, model, tokenizer, req.prompt, req)
+            _, special_texts = await self.tokenizers.for_chat(model, needed=True)
+            return await self.tokenizers.run(
+                chat.work_chars(), _tokenized_chat, model, tokenizer, chat, special_texts, req
+            )
+        return await self.tokenizers.run(len(req.prompt), _tokenized, model, tokenizer, req.prompt, (), req)
 
     async def detokenize(self, req: DetokenizeRequest) -> bytes:
         """The JSON body of /detokenize's answer."""
@@ -66,15 +69,23 @@ class TokenizerAPI:
         return model, await self.tokenizers.get(model)
 
 
-def _tokenized_chat(model: ModelInfo, tokenizer: Tokenizer, chat: ChatInput, req: TokenizeChatRequest) -> bytes:
-    return _tokenized(model, tokenizer, rendered_text(model, chat), req)
+def _tokenized_chat(
+    model: ModelInfo, tokenizer: Tokenizer, chat: ChatInput, special_texts: frozenset[str], req: TokenizeChatRequest
+) -> bytes:
+    """What chat would send for the messages (chat_service._chat_prompt): the same rule for special tokens."""
+    rendered = rendered_chat(model, chat, special_texts)
+    return _tokenized(model, tokenizer, rendered.text, rendered.text_spans, req)
 
 
 def _tokenized(
-    model: ModelInfo, tokenizer: Tokenizer, text: str, req: TokenizeCompletionRequest | TokenizeChatRequest
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    text: str,
+    text_spans: tuple[Span, ...],
+    req: TokenizeCompletionRequest | TokenizeChatRequest,
 ) -> bytes:
-    """/tokenize's answer for `text`."""
-    tokens = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    """/tokenize's answer for `text` (its spans' special-token texts read as text: chat_prompt.py)."""
+    tokens = tokenizer.encode_with_text_spans(text, text_spans, add_special_tokens=req.add_special_tokens)
     strs = [tokenizer.token_text(t) for t in tokens] if req.return_token_strs else None
     head = _json({"count": len(tokens), "max_model_len": model.max_model_len})[:-1]
     return b"".join((head, b',"tokens":', _json_list(tokens), b',"token_strs":', _json_list(strs), b"}"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
@@ -20,6 +21,7 @@ from openai_frontend.errors import FrontendError
 from tokenization.model_files import load_tokenizer
 from tokenization.tokenizer import Tokenizer
 
+log = logging.getLogger("openai_frontend")
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -34,10 +36,14 @@ class TokenizerUnavailable(FrontendError):
 
 
 class Tokenizers:
-    def __init__(self, override: str | None = None, threads: int = 2) -> None:
+    def __init__(
+        self, override: str | None = None, threads: int = 2, *, special_tokens_in_content: bool = False
+    ) -> None:
         self.override = override
+        self.special_tokens_in_content = special_tokens_in_content  # --allow-special-tokens-in-content
         self._loaded: dict[str, asyncio.Task[Tokenizer]] = {}
         self._workers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prompt-work")
+        self._warned: set[str] = set()  # models whose chats go without a tokenizer
 
     async def get(self, model: ModelInfo) -> Tokenizer:
         source = self.override or model.tokenizer_source
@@ -55,6 +61,25 @@ class Tokenizers:
             raise TokenizerUnavailable(
                 f"cannot load the tokenizer of model `{model.name}` from {source!r}: {e}"
             ) from None
+
+    async def for_chat(self, model: ModelInfo, needed: bool) -> tuple[Tokenizer | None, frozenset[str]]:
+        """(the tokenizer a chat's prompt needs, the special tokens' texts a user string must keep as text).
+        `needed`: the prompt goes as ids (a 501 without a tokenizer). Else the tokenizer only tells which
+        texts are special: without one the chat goes as rendered, and a warning says so once per model (which
+        is not tried again)."""
+        if not needed and (self.special_tokens_in_content or model.name in self._warned):
+            return None, frozenset()
+        try:
+            tokenizer = await self.get(model)
+        except TokenizerUnavailable as e:
+            if needed:
+                raise
+            self._warned.add(model.name)
+            log.warning(
+                "special tokens typed in chats of model `%s` are read as control tokens: %s", model.name, e.message
+            )
+            return None, frozenset()
+        return tokenizer, frozenset() if self.special_tokens_in_content else tokenizer.special_token_texts
 
     async def run(self, chars: int, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`work(*args, **kwargs)`, prompt work on about `chars` characters: on a worker thread unless it

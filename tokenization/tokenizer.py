@@ -70,6 +70,7 @@ class Tokenizer:
         self._tok = tokenizer
         added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.special_token_texts: frozenset[str] = frozenset(t.content for t in added.values() if t.special)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids: tuple[int, ...] = _end_of_generation_ids(eos_token_ids, added)
         if not self.eos_token_ids:
@@ -98,6 +99,36 @@ class Tokenizer:
         if self.add_bos_token and add_special_tokens:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
+
+    def encode_with_text_spans(
+        self, text: str, text_spans: Sequence[tuple[int, int]], add_special_tokens: bool = True
+    ) -> list[int]:
+        """`encode(text)`, except that in each of `text_spans` ((start, end) character offsets, in order, not
+        overlapping) a special token's text is tokenized as the plain text it is: what a user typed stays
+        text, while the rest of a chat prompt keeps its control tokens."""
+        pieces: list[str] = []  # the text between spans, then each span's, alternately
+        start = 0
+        for span_start, span_end in text_spans:
+            pieces += [text[start:span_start], text[span_start:span_end]]
+            start = span_end
+        pieces.append(text[start:])
+        # One call per tokenizer: each releases the GIL while it works.
+        around = self._tok.encode_batch_fast(pieces[0::2], add_special_tokens=False)
+        within = self._as_text.encode_batch_fast(pieces[1::2], add_special_tokens=False) if text_spans else []
+        ids: list[int] = [self.bos_token_id] if self.add_bos_token and add_special_tokens else []  # type: ignore[list-item]
+        for i, encoding in enumerate(around):
+            ids += encoding.ids
+            if i < len(within):
+                ids += within[i].ids
+        return ids
+
+    @functools.cached_property
+    def _as_text(self) -> FastTokenizer:
+        """A copy of the tokenizer that reads special tokens' texts as plain text (the original's
+        setting stays: it is shared by every thread)."""
+        copy = FastTokenizer.from_str(self._tok.to_str())
+        copy.encode_special_tokens = True
+        return copy
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
