@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -75,8 +75,8 @@ def rendered_chat(model: ModelInfo, chat: ChatInput, special_texts: frozenset[st
     text = _render(model, chat, given)
     if not special_texts:
         return RenderedChat(text)
-    special = _special_pattern(special_texts)
-    if not any(special.search(s) for s in _strings((given.messages, given.tools, given.kwargs))):
+    special, special_in_json = _special_patterns(special_texts)
+    if not special_in_json.search(json.dumps((given.messages, given.tools, given.kwargs), ensure_ascii=False)):
         return RenderedChat(text)
     markers = _Markers(special)
     masked = _TemplateInput(
@@ -108,21 +108,13 @@ def _render(model: ModelInfo, chat: ChatInput, given: _TemplateInput) -> str:
 
 
 @lru_cache(maxsize=16)
-def _special_pattern(special_texts: frozenset[str]) -> re.Pattern[str]:
-    return re.compile("|".join(re.escape(t) for t in sorted(special_texts, key=len, reverse=True)))
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a template input (keys too: a template may write them)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
+def _special_patterns(special_texts: frozenset[str]) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """Patterns of the texts in a string and in the JSON of a template input. JSON escapes character
+    by character, so a string that holds a text holds it escaped in the JSON; one whole search of the
+    JSON is the cheap test that most chats pass (what else it matches only takes the careful path)."""
+    texts = sorted(special_texts, key=len, reverse=True)
+    escaped = (json.dumps(t, ensure_ascii=False)[1:-1] for t in texts)
+    return re.compile("|".join(map(re.escape, texts))), re.compile("|".join(map(re.escape, escaped)))
 
 
 class _Markers:
