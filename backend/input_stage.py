@@ -49,6 +49,7 @@ class InputStage(Generic[Sink]):
         self._pending = 0
         self._pending_keys: Counter[str] = Counter()  # key -> its requests still being made
         self._held_cancels: set[str] = set()
+        self._stopped = False
 
     def make_and_submit(
         self,
@@ -83,7 +84,9 @@ class InputStage(Generic[Sink]):
             return self._pending
 
     def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """What is still waiting to be made ends with a failure (the workers send it), not silence."""
+        self._stopped = True
+        self._pool.shutdown(wait=False)
 
     def _make(
         self,
@@ -94,6 +97,9 @@ class InputStage(Generic[Sink]):
         key: str | None,
     ) -> None:
         try:
+            if self._stopped:
+                self._send(sink, RequestFailure(request_id, "the model is shutting down"))
+                return
             submit(make())
         except InvalidRequestError as e:
             self._send(sink, RequestFailure.refused(request_id, e))

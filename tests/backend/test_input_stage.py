@@ -148,3 +148,18 @@ def test_the_engine_loop_makes_requests_on_the_input_stage_and_cancels_them_whil
         assert isinstance(last, StepOutput) and last.finish_reason.value == "abort"
     finally:
         loop.stop()
+
+
+def test_requests_still_waiting_when_the_stage_stops_end_with_a_failure():
+    recorder, release = Recorder(), threading.Event()
+    stage = _stage(recorder, workers=1)
+
+    def slow() -> GenerateRequest:
+        release.wait(10)
+        return _request("slow")
+
+    stage.make_and_submit("slow", slow, _submit(recorder), sink=None)
+    stage.make_and_submit("waiting", lambda: _request("waiting"), _submit(recorder), sink=None)
+    stage.stop()
+    release.set()
+    assert sorted(recorder.wait_for(2)) == [("failed", "waiting: the model is shutting down"), ("submit", "slow")]
