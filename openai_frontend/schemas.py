@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from openai_frontend.errors import InvalidRequest
 from protocol.sampling import MAX_TOKEN_ID
@@ -29,6 +29,11 @@ MAX_TOOL_CALLS = 128  # calls in one assistant message
 MAX_TOOL_PARAMETERS_CHARS = 32768  # a tool's parameters schema, as compact JSON
 MAX_JSON_DEPTH = 128  # levels of nesting anywhere in a body
 _TOKEN_ID_LISTS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids")
+
+
+# A token id as the OpenAPI document states it: the range is checked where the ids are read (the prompt's
+# below, the sampling lists' in protocol.SamplingParams, the vocabulary by the engine and /detokenize).
+TokenId = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
 
 
 class _Strict(BaseModel):
@@ -96,12 +101,12 @@ class SamplingFields(_Request):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these tokens are sampled
     bad_words: list[str] | None = None  # vLLM's: words never generated
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context window)
     min_tokens: int | None = None
@@ -141,7 +146,7 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = None  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
@@ -348,7 +353,7 @@ class TokenizeChatRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _parts_bounded(content: str | list[TextPart] | None) -> str | list[TextPart] | None:
