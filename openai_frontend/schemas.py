@@ -29,6 +29,7 @@ MAX_TOOL_CALLS = 128  # calls in one assistant message
 MAX_TOOL_PARAMETERS_CHARS = 32768  # a tool's parameters schema, as compact JSON
 MAX_JSON_DEPTH = 128  # levels of nesting anywhere in a body
 _TOKEN_ID_LISTS = ("prompt", "tokens", "stop_token_ids", "allowed_token_ids")
+_TEXT_OR_CONTAINER = frozenset((str, dict, list))  # the types json.loads makes that _check_json walks
 
 
 # A token id as the OpenAPI document states it: the range is checked where the ids are read (the prompt's
@@ -392,7 +393,8 @@ def _check_json(value: Any, path: str, depth: int) -> None:
             _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
     elif not _holds_token_ids(value, path):
         for i, item in enumerate(value):
-            _check_json(item, f"{path}.{i}", depth + 1)
+            if type(item) in _TEXT_OR_CONTAINER:  # (a number needs no check, nor a path built)
+                _check_json(item, f"{path}.{i}", depth + 1)
 
 
 def _holds_token_ids(value: list[Any], path: str) -> bool:

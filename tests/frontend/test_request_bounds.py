@@ -201,3 +201,10 @@ async def test_extreme_values_are_400s_naming_the_field(field_json: bytes, param
 )
 async def test_tokenizer_endpoints_refuse_what_they_cannot_read(path: str, body: dict[str, Any], param: str) -> None:
     await refused(path, body, param)
+
+
+async def test_a_list_that_starts_with_a_number_is_still_walked() -> None:
+    body = {"model": MODEL, "messages": USER, "chat_template_kwargs": {"x": [1, "\ud800"]}}
+    await refused("/v1/chat/completions", body, "chat_template_kwargs.x.1", "surrogate")
+    deep = {"model": MODEL, "messages": USER, "chat_template_kwargs": {"x": [1, nested(schemas.MAX_JSON_DEPTH)]}}
+    assert (await send("/v1/chat/completions", deep))[0] == 400
