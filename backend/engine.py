@@ -21,13 +21,14 @@ from backend.admission import AdmissionGroups
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
+from backend.grammar_compiler import GrammarBudget, StructuredOutputCompiler
 from backend.input_processor import InputProcessor
 from backend.model_runner import ModelRunner, kv_block_bytes
 from backend.models import build_model
 from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
 from backend.sequence import Sequence
-from backend.structured_output import GrammarState, StructuredOutputCompiler
+from backend.structured_output import GrammarState
 from kernels import cpu_kernels
 from protocol import (
     AdmissionGroup,
@@ -118,7 +119,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
         self.structured_outputs = StructuredOutputCompiler(
-            self.tokenizer, model_cfg.vocab_size, self.runtime.eos_token_ids
+            self.tokenizer, model_cfg.vocab_size, self.runtime.eos_token_ids, GrammarBudget.from_config(config)
         )
         self.input_processor = InputProcessor(
             self.tokenizer, self.runtime, config.max_num_seqs, self.structured_outputs
@@ -235,8 +236,9 @@ class LLMEngine:
         return self._pending_outputs() + messages
 
     def _admit_compiled(self) -> None:
-        """Schedules the constrained requests whose grammar is ready; with nothing else to run, waits
-        a moment for one (compiling runs on its own thread, so no other request's step waits)."""
+        """Schedules the constrained requests whose grammar is ready and ends those whose grammar was
+        refused (past the compiler's time or memory budget: backend/grammar_compiler.py); with nothing
+        else to run, waits a moment for one (compiling runs on its own threads, so no step waits)."""
         if not self._compiling:
             return
         if not self.scheduler.has_unfinished() and not self._pending:
@@ -246,8 +248,9 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             error = future.exception()
-            if error is not None:
-                logger.error("compiling the grammar of %s failed: %s", request_id, error)
+            if isinstance(error, InvalidRequestError):
+                self._pending.append(RequestFailure.refused(request_id, error))
+            elif error is not None:
                 self._pending.append(RequestFailure(request_id, f"grammar compilation failed: {error}"))
             else:
                 self._schedule_request(request, future.result())

@@ -9,7 +9,7 @@ from protocol import GenerateRequest, InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from backend.config import RuntimeInfo
-    from backend.structured_output import StructuredOutputCompiler
+    from backend.grammar_compiler import StructuredOutputCompiler
     from tokenization.tokenizer import Tokenizer
 
 
@@ -81,6 +81,7 @@ class InputProcessor:
         if params.n > self._max_num_seqs:
             raise InvalidRequestError(f"n must be at most {self._max_num_seqs} on this server", "n")
         if params.structured_outputs is not None:
-            self._structured_outputs.check(params.structured_outputs)  # a bad grammar is refused here
+            # a constraint over a size limit, or that does not parse, is refused here; it starts compiling
+            self._structured_outputs.check(params.structured_outputs)
         bad = bad_words_token_ids(params.bad_words, lambda w: self._tokenizer.encode(w, add_special_tokens=False))
         return GenerateRequest(request_id, token_ids, params, bad)

@@ -1,12 +1,13 @@
 """Structured outputs: grammars compiled with xgrammar, one matcher per sequence, a token bitmask per step.
 
 What happens to a constrained request:
-1. `check(spec)` (when the request is made, on the caller's thread) parses the schema / regex /
-   grammar into an xgrammar `Grammar`; a bad one is an InvalidRequestError naming the field, before
-   any token is generated. It also starts compiling it.
+1. When the request is made, the spec is checked against size limits (backend/grammar_limits.py) and
+   parsed into an xgrammar `Grammar` (`build_grammar`); a bad one is an InvalidRequestError naming the
+   field, before any token is generated.
 2. Compiling (the grammar against our vocabulary: which tokens each grammar state allows) runs on a
-   worker thread and is cached by the spec, so the engine thread never waits for it: the engine keeps
-   a request whose grammar is not ready out of the scheduler until `compiled(spec)` is done.
+   thread of its own within a time and memory budget, cached by the spec
+   (backend/grammar_compiler.py); the engine keeps a request whose grammar is not ready out of the
+   scheduler, and refuses it if its grammar is refused.
 3. Each sequence gets its own `GrammarMatcher` (n > 1 siblings each have one). Every step the
    runner fills one bitmask row per constrained row (`TokenBitmask`), the sampler masks the processed
    logits with it (logprobs stay the raw model's), and the output processor advances the matcher with
@@ -22,9 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +33,6 @@ from protocol import InvalidRequestError, StructuredOutputs
 if TYPE_CHECKING:
     import xgrammar
 
-    from tokenization.tokenizer import Tokenizer
-
-_CACHE_SIZE = 256  # compiled grammars kept (xgrammar's own compiler cache sits behind this one)
 # Whitespace between JSON tokens, when free whitespace is allowed: more than this in one place is
 # never useful output, and without a bound a small model can loop on newlines until max_tokens.
 MAX_JSON_WHITESPACE = 16
@@ -85,61 +80,6 @@ def _xgrammar_message(error: Exception) -> str:
     """xgrammar's message without its C++ source location and timestamp."""
     text = str(error).strip()
     return _XGRAMMAR_LOCATION.sub("", text).strip() or type(error).__name__
-
-
-class StructuredOutputCompiler:
-    """Validates specs and compiles them off the engine thread, cached by spec (thread-safe)."""
-
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._stop_token_ids = list(stop_token_ids)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
-        self._compiler: Future[Any] | None = None  # xgrammar.GrammarCompiler, built by the worker
-        self._compiled: OrderedDict[StructuredOutputs, Future[Any]] = OrderedDict()
-
-    def check(self, spec: StructuredOutputs) -> None:
-        """Raise InvalidRequestError if spec does not parse; start compiling it if it does."""
-        with self._lock:
-            if spec in self._compiled:
-                self._compiled.move_to_end(spec)
-                return
-        grammar = build_grammar(spec)  # raises for a bad spec; cheap next to compiling
-        self._submit(spec, grammar)
-
-    def compiled(self, spec: StructuredOutputs) -> Future[xgrammar.CompiledGrammar]:
-        """The compilation of a checked spec (done at once on a cache hit)."""
-        with self._lock:
-            future = self._compiled.get(spec)
-        if future is None:  # evicted since it was checked
-            future = self._submit(spec, build_grammar(spec))
-        return future
-
-    def _submit(self, spec: StructuredOutputs, grammar: xgrammar.Grammar) -> Future[Any]:
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = self._executor.submit(self._make_compiler)
-            future = self._compiled.get(spec)
-            if future is None or (future.done() and future.exception() is not None):
-                compiler = self._compiler
-                future = self._executor.submit(lambda: compiler.result().compile_grammar(grammar))
-                self._compiled[spec] = future
-            self._compiled.move_to_end(spec)
-            while len(self._compiled) > _CACHE_SIZE:
-                self._compiled.popitem(last=False)
-            return future
-
-    def _make_compiler(self) -> xgrammar.GrammarCompiler:
-        xgr = _xgr()
-        from transformers import PreTrainedTokenizerFast
-
-        backend = self._tokenizer.backend
-        hf = PreTrainedTokenizerFast(
-            tokenizer_object=type(backend).from_str(backend.to_str())
-        )  # a copy: HF may change it
-        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
-        return xgr.GrammarCompiler(info, max_threads=1)
 
 
 class GrammarState:

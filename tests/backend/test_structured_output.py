@@ -9,15 +9,25 @@ import concurrent.futures
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
 import torch
 
+from backend.grammar_compiler import GrammarBudget, StructuredOutputCompiler
+from backend.grammar_limits import check_limits
 from backend.sampler import Sampler, SamplingRow
 from backend.structured_output import TokenBitmask
-from protocol import FinishReason, InvalidRequestError, SamplingParams, StructuredOutputs
-from tests.engine_helpers import check_stream_invariants, run_to_completion, tiny_engine
+from protocol import (
+    EngineOverloaded,
+    FinishReason,
+    InvalidRequestError,
+    RequestFailure,
+    SamplingParams,
+    StructuredOutputs,
+)
+from tests.engine_helpers import check_stream_invariants, run_to_completion, smollm2_tokenizer, tiny_engine
 
 PERSON = {
     "type": "object",
@@ -278,3 +288,225 @@ def test_the_forced_call_schema_of_several_tools_yields_valid_calls(engine):
         assert call.name in ("add", "now")
         if call.name == "add":
             assert 0 <= json.loads(call.arguments)["x"] <= 9
+
+
+# -- the compiler's limits, lanes and budgets (backend/grammar_limits.py, backend/grammar_compiler.py) --------
+
+
+def nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth - 1):  # each array schema is one JSON object: depth objects in all
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def properties(count: int, prefix: str = "field") -> dict:
+    return {"type": "object", "properties": {f"{prefix}_{i}": {"type": "integer"} for i in range(count)}}
+
+
+def two_enums(each: int) -> dict:
+    values = [f"v{i}" for i in range(each)]
+    return {"type": "object", "properties": {"a": {"enum": values}, "b": {"enum": values}}}
+
+
+def big_but_cheap(tag: str) -> dict:
+    """Long enough for the big lane (its description), trivial to compile."""
+    return {"type": "object", "description": tag + "x" * 20_000, "properties": {tag: {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "spec, param, limit",
+    [
+        ({"json": nested_arrays(65)}, "structured_outputs.json", "64"),
+        ({"json": properties(5001)}, "structured_outputs.json", "5000"),
+        ({"json": two_enums(2501)}, "structured_outputs.json", "5000"),  # summed over the schema
+        ({"json": {"type": "string", "description": "x" * (1 << 20)}}, "structured_outputs.json", "1048576"),
+        ({"choice": [f"c{i}" for i in range(5001)]}, "structured_outputs.choice", "5000"),
+        ({"choice": ["a" * 150_000, "b" * 150_000]}, "structured_outputs.choice", "262144"),
+        ({"regex": "a" * 16385}, "structured_outputs.regex", "16384"),
+        ({"grammar": 'root ::= "a"' + " " * 65_536}, "structured_outputs.grammar", "65536"),
+        ({"regex": "[^x]{1,100}" * 33}, "structured_outputs.regex", "32"),
+        (
+            {"grammar": "root ::= " + " ".join(f'[^{c}]{{17,}} "{c}"' for c in "abcdefghijklmnopqrstuvwxyzABCDEFG")},
+            "structured_outputs.grammar",
+            "32",
+        ),
+        ({"json": {"type": "string", "pattern": "[a-z]{1,20}" * 33}}, "structured_outputs.json", "32"),
+        (
+            {"json": {"type": "array", "items": [{"type": "string", "maxLength": 100}] * 129}},
+            "structured_outputs.json",
+            "128",
+        ),
+        ({"json": {"enum": ["x" * 1000] * 263}}, "structured_outputs.json", "262144"),
+    ],
+)
+def test_a_constraint_over_a_limit_is_refused_before_xgrammar_parses_it(engine, monkeypatch, spec, param, limit):
+    def parse(spec):
+        raise AssertionError("parsed a constraint over a limit")
+
+    monkeypatch.setattr("backend.grammar_compiler.build_grammar", parse)
+    with pytest.raises(InvalidRequestError) as e:
+        engine.make_request("big", "Hi", SamplingParams.from_dict({"structured_outputs": spec}))
+    assert e.value.param == param and limit in e.value.message, e.value.message
+
+
+def test_the_limits_leave_room_for_real_schemas_and_survive_any_nesting():
+    for schema in (nested_arrays(64), properties(5000), two_enums(2500)):
+        check_limits(StructuredOutputs(json=json.dumps(schema)))
+    check_limits(StructuredOutputs(choice=tuple(f"c{i}" for i in range(5000))))
+    ipv6 = "(" + "|".join(["([0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"] * 12) + ")"  # short repetitions are not counted
+    check_limits(StructuredOutputs(regex=ipv6))
+    check_limits(StructuredOutputs(regex=r"\w{1,100}@\w{1,100}\.com" * 16))
+    deep = StructuredOutputs(json="[" * 400_000 + "]" * 400_000)  # past the JSON parser's own recursion guard
+    with pytest.raises(InvalidRequestError) as e:
+        check_limits(deep)
+    assert e.value.param == "structured_outputs.json" and "64" in e.value.message
+
+
+def make_compiler(**budget) -> StructuredOutputCompiler:
+    tok = smollm2_tokenizer()
+    return StructuredOutputCompiler(tok, tok.vocab_size, tuple(tok.eos_token_ids), GrammarBudget(**budget))
+
+
+class GatedCompiles:
+    """xgrammar's compiler, except that compiles `blocks(lane, grammar)` picks wait for `release`."""
+
+    def __init__(self, compiler: StructuredOutputCompiler, blocks) -> None:
+        self._real = compiler._make_compiler()
+        self._blocks = blocks
+        self.release = threading.Event()
+
+    def compile_grammar(self, grammar):
+        lane = threading.current_thread().name.removeprefix("grammar-compile-")
+        if self._blocks(lane, grammar):
+            assert self.release.wait(60)
+        return self._real.compile_grammar(grammar)
+
+
+@pytest.fixture
+def gate():
+    """Installs a GatedCompiles on a compiler; released at the end so no compile thread outlives the test."""
+    gates: list[GatedCompiles] = []
+
+    def install(compiler: StructuredOutputCompiler, blocks) -> GatedCompiles:
+        gated = GatedCompiles(compiler, blocks)
+        compiler._grammar_compiler = lambda: gated  # the xgrammar boundary
+        gates.append(gated)
+        return gated
+
+    yield install
+    for gated in gates:
+        gated.release.set()
+
+
+def wait_until(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_big_compile_never_delays_a_small_one_and_a_full_big_lane_refuses_at_once(gate):
+    compiler = make_compiler(timeout_s=60)
+    gated = gate(compiler, lambda lane, grammar: lane == "big")
+    big = StructuredOutputs(json=json.dumps(big_but_cheap("first")))
+    compiler.check(big)
+    slow = compiler.compiled(big)
+    small = StructuredOutputs(regex=r"\d{3}-\d{4}")
+    compiler.check(small)
+    started = time.monotonic()
+    assert compiler.compiled(small).result(timeout=30) is not None
+    assert time.monotonic() - started < 5 and not slow.done()
+    with pytest.raises(EngineOverloaded) as e:  # at once, not queued behind the running compile
+        compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("second"))))
+    assert e.value.param == "structured_outputs.json" and e.value.code == "overloaded"
+    gated.release.set()
+    assert slow.result(timeout=30) is not None
+    compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("second"))))  # the lane is free again
+
+
+def test_a_grammar_past_its_time_budget_is_refused_dropped_and_refused_again_at_once():
+    compiler = make_compiler(timeout_s=0.2)
+    # Optional properties compile in time quadratic in their number: this one takes about a second.
+    spec = StructuredOutputs(json=json.dumps(properties(1000)))
+    started = time.monotonic()
+    compiler.check(spec)
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compiled(spec).result(timeout=30)
+    assert time.monotonic() - started < 0.2 + 3
+    assert e.value.param == "structured_outputs.json" and "too complex to compile in time" in e.value.message
+    wait_until(lambda: compiler.stats().big_lane_running == 0)  # xgrammar ran on to its end...
+    assert compiler.stats().cached_grammars == 0 and compiler.stats().cached_bytes == 0  # ...for nothing
+    with pytest.raises(InvalidRequestError) as again:
+        compiler.check(spec)
+    assert again.value.message == e.value.message
+
+
+def test_a_short_constraint_past_its_time_moves_to_the_big_lane(gate):
+    compiler = make_compiler(timeout_s=0.3)
+    gated = gate(compiler, lambda lane, grammar: "[q-z]" in str(grammar))
+    slow = StructuredOutputs(regex="[q-z]{3}")
+    compiler.check(slow)
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compiled(slow).result(timeout=30)
+    assert e.value.param == "structured_outputs.regex"
+    stats = compiler.stats()
+    assert (stats.small_lane_running, stats.big_lane_running) == (0, 1)  # still compiling, now as a big one
+    quick = StructuredOutputs(regex="[a-c]{3}")
+    compiler.check(quick)
+    assert compiler.compiled(quick).result(timeout=30) is not None
+    with pytest.raises(EngineOverloaded):
+        compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("other"))))
+    gated.release.set()
+    wait_until(lambda: compiler.stats().big_lane_running == 0)
+    assert compiler.stats().cached_grammars == 1  # the quick one; the slow one's grammar was dropped
+
+
+def test_a_compiled_grammar_over_the_byte_budget_is_refused_and_freed():
+    compiler = make_compiler(max_grammar_bytes=1 << 20, cache_bytes=1 << 20)
+    spec = StructuredOutputs(json=json.dumps(PERSON))  # a string property: about 2 MiB of token masks
+    compiler.check(spec)
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compiled(spec).result(timeout=60)
+    assert e.value.param == "structured_outputs.json" and "1.0 MiB per constraint" in e.value.message
+    assert compiler.stats().cached_bytes == 0
+    small = StructuredOutputs(regex="[ab]{2}")
+    compiler.check(small)
+    compiler.compiled(small).result(timeout=60)
+    assert 0 < compiler.stats().cached_bytes < 1 << 20
+
+
+def test_the_compile_cache_is_bounded_in_bytes_least_recently_used_out_first():
+    compiler = make_compiler(max_grammar_bytes=4 << 20, cache_bytes=7 << 20)
+    schemas = [PERSON | {"properties": PERSON["properties"] | {f"extra_{i}": {"type": "integer"}}} for i in range(4)]
+    specs = [StructuredOutputs(json=json.dumps(schema)) for schema in schemas]
+    futures = []
+    for spec in specs:  # each a little over 3 MiB: two fit
+        compiler.check(spec)
+        futures.append(compiler.compiled(spec))
+        futures[-1].result(timeout=60)
+        assert compiler.stats().cached_bytes <= 7 << 20
+    assert compiler.stats().cached_grammars == 2
+    assert compiler.compiled(specs[-1]) is futures[-1]  # kept
+    compiler.check(specs[0])
+    assert compiler.compiled(specs[0]) is not futures[0]  # evicted: compiled again
+
+
+def test_a_request_whose_grammar_runs_past_the_budget_ends_with_a_refusal(gate):
+    engine = tiny_engine(grammar_compile_timeout_s=0.3)
+    gate(engine.structured_outputs, lambda lane, grammar: True)
+    constrained = SamplingParams.from_dict({"structured_outputs": {"regex": r"\d{3}"}})
+    started = time.monotonic()
+    engine.add_request(engine.make_request("stuck", "Hi", constrained))
+    engine.add_request(engine.make_request("free", "Hi", SamplingParams.from_dict({"max_tokens": 3})))
+    outputs = run_to_completion(engine)
+    (failure,) = [o for o in outputs if isinstance(o, RequestFailure)]
+    assert time.monotonic() - started < 0.3 + 5
+    assert (failure.request_id, failure.error_type, failure.param) == (
+        "stuck",
+        "invalid_request_error",
+        "structured_outputs.regex",
+    )
+    assert "too complex to compile in time" in failure.message
+    check_stream_invariants(outputs, {"free": 1, "stuck": 1})
+    assert not engine.has_work() and engine.stats().num_waiting == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -313,3 +314,43 @@ def test_constrained_and_free_requests_mixed_at_concurrency_8(client, servers):
     check_invariants(result, n=3, logprobs=1)
     for responses in result.by_seq().values():
         assert re.fullmatch(r"\d{3}-\d{4}", "".join(r.text_delta for r in responses))
+
+
+# The engine's grammar_compile_timeout_s: the model repository's config.pbtxt leaves it at its default.
+COMPILE_BUDGET_S = 5.0
+# Within every limit, yet each long repetition of a broad class compiles for a second or two: twelve take
+# several times the budget (and keep one of the engine's compile threads busy after it).
+SLOW_GRAMMAR = "root ::= " + " ".join(f'[^{c}]{{1,2000}} "{c}"' for c in "abcdefghijkl")
+
+
+def test_grammar_work_is_bounded_and_a_small_constraint_never_waits_behind_a_big_one(servers):
+    def post(path, body):
+        started = time.monotonic()
+        r = httpx.post(f"{servers.base_url}{path}", timeout=120, json={"model": servers.model, **body})
+        return r, time.monotonic() - started
+
+    def complete(constraint, stream=False):
+        body = {"prompt": "Code:", "max_tokens": 10, "stream": stream, "structured_outputs": constraint}
+        return post("/completions", body)
+
+    huge_enum = json_schema_format({"enum": [f"value-{i}" for i in range(40_000)]})
+    r, took = post("/chat/completions", {"messages": ASK_PERSON, "max_tokens": 8, "response_format": huge_enum})
+    assert r.status_code == 400 and took < 5, (took, r.text)  # over a limit: refused before it is parsed
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema" and "5000" in error["message"], error
+
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(complete, {"grammar": SLOW_GRAMMAR})
+        time.sleep(1.0)  # its compile is under way
+        small, small_took = complete({"regex": "[0-9]{2}-[a-f]{2}"})
+        r, took = big.result()
+    assert small.status_code == 200 and re.fullmatch("[0-9]{2}-[a-f]{2}", small.json()["choices"][0]["text"])
+    assert small_took < 3.5, small_took  # not behind the big one, which ends no sooner than 4 s after it
+    assert r.status_code == 400 and took < COMPILE_BUDGET_S + 10, (took, r.text)
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs.grammar", error
+    assert "too complex to compile in time" in error["message"], error
+
+    r, took = complete({"grammar": SLOW_GRAMMAR}, stream=True)  # the same again: refused at once, remembered
+    assert r.status_code == 400 and took < 5, (took, r.text)
+    assert "too complex to compile in time" in r.json()["error"]["message"]
