@@ -316,7 +316,7 @@ def test_constrained_and_free_requests_mixed_at_concurrency_8(client, servers):
         assert re.fullmatch(r"\d{3}-\d{4}", "".join(r.text_delta for r in responses))
 
 
-# The engine's grammar_compile_timeout_s: the model repository's config.pbtxt leaves it at its default.
+# grammar_compile_timeout_s in the model repository's config.pbtxt.
 COMPILE_BUDGET_S = 5.0
 # Within every limit, yet each long repetition of a broad class compiles for a second or two: twelve take
 # several times the budget (and keep one of the engine's compile threads busy after it).
