@@ -47,8 +47,11 @@ class InputProcessor:
             token_ids = tuple(self._tokenizer.encode(prompt))
         else:
             token_ids = tuple(int(t) for t in prompt)
-            if any(t < 0 or t >= vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+            bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"prompt holds token id {bad}, outside the vocabulary (size {vocab}: ids 0..{vocab - 1})", "prompt"
+                )
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if len(token_ids) >= max_len:

@@ -126,6 +126,8 @@ def schema_text(schema: Any, param: str) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
+            except RecursionError:
+                raise InvalidRequestError("the JSON schema is nested too deeply", param) from None
         _require(isinstance(schema, (dict, bool)), "a JSON schema must be a JSON object", param)
         try:
             return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -316,6 +318,8 @@ class SamplingParams:
             data = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"sampling_params is not valid JSON: {e}", "sampling_params") from None
+        except RecursionError:  # nested past the parser's stack: no real request is
+            raise InvalidRequestError("sampling_params is nested too deeply", "sampling_params") from None
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:

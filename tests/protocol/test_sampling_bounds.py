@@ -45,3 +45,13 @@ def test_logit_bias_token_ids_too(token_id):
     with pytest.raises(InvalidRequestError) as refused:
         SamplingParams.from_dict({"logit_bias": {token_id: 1.0}})
     assert refused.value.param == "logit_bias"
+
+
+def test_sampling_params_nested_past_the_parsers_stack_are_refused_not_raised():
+    deep = '{"structured_outputs": {"json": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams.from_json(deep)
+    assert refused.value.param == "sampling_params"
+    schema = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(InvalidRequestError):
+        SamplingParams.from_dict({"structured_outputs": {"json": schema}})
