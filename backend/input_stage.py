@@ -60,16 +60,18 @@ class InputStage(Generic[Sink]):
         key: str | None = None,
     ) -> None:
         with self._lock:
-            if self._pending >= self._max_pending:
-                refusal = EngineOverloaded(
-                    f"the server is overloaded: {self._pending} requests are being prepared; retry later",
-                    code="overloaded",
-                )
-                self._send(sink, RequestFailure.refused(request_id, refusal))
-                return
-            self._pending += 1
-            if key is not None:
-                self._pending_keys[key] += 1
+            full = self._pending >= self._max_pending
+            if not full:
+                self._pending += 1
+                if key is not None:
+                    self._pending_keys[key] += 1
+            pending = self._pending
+        if full:  # (sent outside the lock: a send may block on its client)
+            refusal = EngineOverloaded(
+                f"the server is overloaded: {pending} requests are being prepared; retry later", code="overloaded"
+            )
+            self._send(sink, RequestFailure.refused(request_id, refusal))
+            return
         self._pool.submit(self._make, request_id, make, submit, sink, key)
 
     def cancel(self, key: str) -> None:
