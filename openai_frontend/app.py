@@ -31,7 +31,7 @@ from openai_frontend.errors import (
     RouteNotFound,
 )
 from openai_frontend.metrics import Metrics
-from openai_frontend.routers import chat, completions, health, misc, models, tokenize
+from openai_frontend.routers import chat, completions, health, misc, models, responses, tokenize
 from openai_frontend.service import Service
 from openai_frontend.settings import Settings
 from openai_frontend.shutdown import Drain
@@ -50,7 +50,9 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
         # out of the collector's sight, the oldest generation's collections need not walk it every time.
         gc.collect()
         gc.freeze()
+        await app.state.service.responses.start()
         yield
+        await app.state.service.responses.stop()
         await engine.close()
 
     app = FastAPI(title="LLM serving OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -63,7 +65,8 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.state.tokenizer_api = TokenizerAPI(engine, app.state.service.tokenizers)
     app.state.started = int(time.time())
     app.state.drain = Drain(engine, metrics, settings.shutdown_grace_s)
-    for module in (completions, chat, models, health, tokenize, misc):
+    app.state.drain.hand_over = app.state.service.responses.hand_over
+    for module in (completions, chat, responses, models, health, tokenize, misc):
         app.include_router(module.router)
 
     app.add_exception_handler(FrontendError, _frontend_error)

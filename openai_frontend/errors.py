@@ -66,6 +66,25 @@ class RouteNotFound(FrontendError):
     error_type = "not_found_error"
 
 
+class ResponseNotFound(FrontendError):
+    """A stored response that does not exist (never stored, deleted, or past its retention)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param)
+
+
+class StoreUnreachable(FrontendError):
+    """The response store cannot be reached: what needs it is a 503; `store: false` requests go on."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+    default_code = "store_unavailable"
+    default_retry_after_s = 5
+
+
 class ClientDisconnected(FrontendError):
     """The HTTP client went away before the response (nginx's 499); its engine requests are cancelled."""
 

@@ -1,5 +1,5 @@
-"""The service layer the routers call: the completions and the chat service, over one engine client,
-settings, metrics and tokenizers. Each turns a request into typed chunks or one typed response
+"""The service layer the routers call: the completions, chat and Responses services, over one engine
+client, settings, metrics and tokenizers. Each turns a request into typed chunks or one typed response
 (responses.py); SSE framing and JSON encoding are the routers'."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from openai_frontend.chat_service import ChatService
 from openai_frontend.completion_service import CompletionService
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.metrics import Metrics
+from openai_frontend.responses_api.service import ResponsesService
 from openai_frontend.settings import Settings
 from openai_frontend.tokenizers import Tokenizers
 
@@ -21,3 +22,4 @@ class Service:
         )
         self.completions = CompletionService(engine, settings, metrics, self.tokenizers)
         self.chat = ChatService(engine, settings, metrics, self.tokenizers)
+        self.responses = ResponsesService(engine, settings, metrics, self.chat)

@@ -40,6 +40,13 @@ class Settings:
     max_connections: int = 4096  # open connections and requests; past it a 503
     prompt_threads: int = 2  # threads that tokenize and render big prompts off the event loop (tokenizers.py)
     allow_special_tokens_in_content: bool = False  # False: special tokens typed in a chat are text (chat_prompt.py)
+    # The Responses API's store (docs/responses.md): None is SQLite in the state folder.
+    state_dir: str = "artifacts/state"
+    response_store: str | None = None  # sqlite:///path or postgresql://user:pass@host:port/db
+    response_lease_s: float = 10.0  # a dead frontend's unfinished responses are taken over after this long
+    response_poll_ms: float = 50.0  # how often a reader of a response generated elsewhere looks for new events
+    response_ttl_s: float = 30 * 86400.0
+    response_store_max: int = 100_000  # stored responses; past it the oldest finished ones are deleted
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -60,6 +67,13 @@ class Settings:
             raise ValueError("--prompt-threads must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+        if self.response_lease_s <= 0 or self.response_poll_ms <= 0 or self.response_ttl_s <= 0:
+            raise ValueError("--response-lease-s, --response-poll-ms and --response-ttl-s must be > 0")
+        if self.response_store_max < 1:
+            raise ValueError("--response-store-max must be >= 1")
+
+    def response_store_url(self) -> str:
+        return self.response_store or f"sqlite:///{os.path.join(self.state_dir, 'responses.db')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +191,44 @@ def build_parser() -> argparse.ArgumentParser:
         "no user can forge a turn of the conversation",
     )
     parser.add_argument(
+        "--state-dir",
+        default=limits.state_dir,
+        help="the frontend's state folder: the response store's SQLite file lives here (unless --response-store)",
+    )
+    parser.add_argument(
+        "--response-store",
+        default=os.environ.get("RESPONSE_STORE") or None,
+        metavar="URL",
+        help="where /v1/responses keeps responses and their events: sqlite:///path/file.db, or "
+        "postgresql://user:password@host:port/database to share one store between several frontends "
+        "(default from RESPONSE_STORE; unset: SQLite in --state-dir)",
+    )
+    parser.add_argument(
+        "--response-lease-s",
+        type=float,
+        default=limits.response_lease_s,
+        help="a frontend holds the responses it generates by a lease it renews; when it dies, another frontend "
+        "(sharing the store) or this one restarted continues its background responses after this long",
+    )
+    parser.add_argument(
+        "--response-poll-ms",
+        type=float,
+        default=limits.response_poll_ms,
+        help="how often a stream of a response that another frontend generates looks for new events",
+    )
+    parser.add_argument(
+        "--response-ttl-s",
+        type=float,
+        default=limits.response_ttl_s,
+        help="stored responses are deleted this long after their creation (OpenAI keeps them 30 days)",
+    )
+    parser.add_argument(
+        "--response-store-max",
+        type=int,
+        default=limits.response_store_max,
+        help="stored responses kept at most; past it the oldest finished ones are deleted",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -208,6 +260,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             max_connections=args.max_connections,
             prompt_threads=args.prompt_threads,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+            state_dir=args.state_dir,
+            response_store=args.response_store,
+            response_lease_s=args.response_lease_s,
+            response_poll_ms=args.response_poll_ms,
+            response_ttl_s=args.response_ttl_s,
+            response_store_max=args.response_store_max,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -2,7 +2,8 @@
 
 1. At once: `/health/ready` answers 503 and every new request gets a 503 with Retry-After; the port
    stays open, so a load balancer sees the change instead of refused connections.
-2. Open requests go on for up to the grace period (`--shutdown-grace-s`, default 30 s).
+2. Background responses are left to their leases, for another frontend to continue (docs/responses.md);
+   open requests go on for up to the grace period (`--shutdown-grace-s`, default 30 s).
 3. What is still open then ends with an error event and [DONE] (a non-streamed request with a 503);
    the engine requests are cancelled, so Triton frees their KV blocks.
 4. uvicorn stops. A second signal stops at once.
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -28,9 +30,11 @@ class Drain:
     def __init__(self, engine: EngineClient, metrics: Metrics, grace_s: float) -> None:
         self.engine, self.metrics, self.grace_s = engine, metrics, grace_s
         self.draining = False
+        self.hand_over: Callable[[], None] = lambda: None  # work that another frontend continues (Responses API)
 
     async def run(self) -> None:
         self.draining = True
+        self.hand_over()
         log.warning(
             "shutting down: %d requests open, waiting up to %g s for them", self.metrics.in_flight, self.grace_s
         )

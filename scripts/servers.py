@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -338,7 +339,9 @@ def running_servers(logs: Path, suffix: str = "", **triton_args) -> Iterator[tup
     logs.mkdir(parents=True, exist_ok=True)
     triton = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **triton_args)
     triton.start(log_path=logs / f"tritonserver{suffix}.log")
-    frontend = Frontend(triton.grpc_url, port=free_port())
+    # A fresh state folder: the response store of one run holds nothing another run left unfinished.
+    state = tempfile.mkdtemp(prefix="frontend-state-")
+    frontend = Frontend(triton.grpc_url, port=free_port(), extra_args=["--state-dir", state])
     try:
         frontend.start(log_path=logs / f"frontend{suffix}.log")
         yield triton, frontend

@@ -77,7 +77,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected("client closed the connection")
 
 
-class _ClosingStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that stops streaming as soon as its client disconnects (uvicorn drops what is
     sent to a gone client and does not cancel the handler) and always closes its body iterator, so the
     engine requests behind it are cancelled at once.
@@ -134,7 +134,7 @@ def sse_response(chunks: AsyncIterator[OpenAIBaseModel | dict[str, Any]]) -> Str
             await chunks.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    return _ClosingStreamingResponse(
+    return ClosingStreamingResponse(
         body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
 
