@@ -329,7 +329,7 @@ class ResponsesService:
     async def _take_over(self, row: StoredResponse) -> None:
         """Continue a background response whose frontend died: generate it again from the start (the same
         seed, the same tokens) and send only what goes past its stored events."""
-        log.info("response %s: taking it over (its frontend stopped)", row.id)
+        log.warning("response %s: its frontend stopped; this one continues it", row.id)
         try:
             req = ResponsesRequest.model_validate(row.request)
             history = await self._history(req.previous_response_id) if req.previous_response_id else []
