@@ -19,6 +19,7 @@ import pytest
 
 from scripts.servers import Frontend, free_port
 from tests.e2e.helpers import LOGS
+from tests.e2e.triton_stream import metric_value, wait_until_aborted_and_freed
 
 LONG = {"max_output_tokens": 96, "ignore_eos": True, "temperature": 0.8, "seed": 1234}
 LONG_SDK = {"max_output_tokens": 96, "temperature": 0.8, "extra_body": {"ignore_eos": True, "seed": 1234}}
@@ -144,6 +145,29 @@ def test_background_cancel_is_final(client, servers):
         client.responses.cancel(r.id)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=servers.model, input="x", background=True, store=False)
+
+
+def test_a_foreground_stream_whose_client_leaves_is_cancelled_and_freed(servers):
+    aborted_before = metric_value(servers.triton.metrics_url, "llm_aborted_requests_total")
+    body = {"model": servers.model, "input": "Tell a long story.", "stream": True, "max_output_tokens": 2000}
+    body["ignore_eos"] = True
+    response_id = None
+    with (
+        httpx.Client(base_url=servers.frontend.url, timeout=60) as http,
+        http.stream("POST", "/v1/responses", json=body) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                response_id = response_id or event["response"]["id"]  # response.created comes first
+                if event["type"] == "response.output_text.delta":
+                    break  # the client leaves
+    wait_until_aborted_and_freed(servers.triton.metrics_url, aborted_before)
+    with httpx.Client(base_url=servers.frontend.url, timeout=60) as http:
+        deadline = time.monotonic() + 10
+        while (status := http.get(f"/v1/responses/{response_id}").json()["status"]) != "cancelled":
+            assert status == "in_progress" and time.monotonic() < deadline, status
+            time.sleep(0.05)
 
 
 def test_several_readers_resume_from_several_points(servers):

@@ -228,3 +228,20 @@ async def test_unsupported_input_and_tools_are_400s_naming_the_field(tmp_path: P
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
         r = await client.get("/v1/responses/resp_missing/input_items")
         assert r.status_code == 404
+
+
+async def test_store_unreachable_is_a_503_and_store_false_goes_on(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = f"postgresql://user:secret@127.0.0.1:{port}/responses"
+    async with client_of(FakeEngineClient(text_script(["a"])), tmp_path, response_store=down) as client:
+        r = await client.post("/v1/responses", json={"model": MODEL, "input": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable", r.text
+        assert "secret" not in r.text
+        r = await client.get("/v1/responses/resp_x")
+        assert r.status_code == 503
+        r = await client.post("/v1/responses", json={"model": MODEL, "input": "x", "store": False})
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "a"
