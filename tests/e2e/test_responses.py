@@ -170,7 +170,7 @@ def test_a_foreground_stream_whose_client_leaves_is_cancelled_and_freed(servers)
             time.sleep(0.05)
 
 
-def test_several_readers_resume_from_several_points(servers):
+def test_several_readers_resume_from_several_points(client, servers):
     body = {"model": servers.model, "input": "Describe a forest.", "background": True, "stream": True, **LONG}
     with httpx.Client(base_url=servers.frontend.url, timeout=180) as http:
         r = http.post("/v1/responses", json=body)
@@ -188,6 +188,8 @@ def test_several_readers_resume_from_several_points(servers):
         t.join(120)
     for p in points:
         assert outs[p] == frames[p + 1 :]
+    resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=5))  # the SDK's own call
+    assert [e.sequence_number for e in resumed] == list(range(6, len(frames)))
 
 
 def _kill_and_take_over(url_of_reader: str, generating: Frontend, restart: Frontend | None, model: str) -> None:
