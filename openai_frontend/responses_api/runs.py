@@ -187,7 +187,7 @@ class Run:
         if status == "cancelled" and not self._abandoned:
             response = self.builder.response
             response["status"] = "cancelled"
-            self._write([], response, terminal=True)
+            self._write([], response)
         with contextlib.suppress(asyncio.CancelledError):
             await self._drained.wait()
         self.done = True
@@ -207,9 +207,9 @@ class Run:
             return
         terminal = self.builder.finished
         status_changed = terminal or any(e["type"] in ("response.created", "response.in_progress") for e in events)
-        self._write(events, self.builder.response if status_changed else None, terminal=terminal)
+        self._write(events, self.builder.response if status_changed else None)
 
-    def _write(self, events: list[Event], response: dict[str, Any] | None, *, terminal: bool) -> None:
+    def _write(self, events: list[Event], response: dict[str, Any] | None) -> None:
         """Hand events (and the status change they make) to the writer; deliver them once committed."""
         if self._writer is None:
             return
@@ -219,9 +219,10 @@ class Run:
         self._drained.clear()
 
         def committed(refused: set[str]) -> None:
-            if self.response_id in refused and not terminal:
-                self.stop()  # cancelled, deleted or taken over meanwhile: go no further
-            self._deliver_stored(stored)
+            if self.response_id in refused:  # cancelled, deleted or taken over meanwhile: nothing more goes out
+                self.stop()
+            else:
+                self._deliver_stored(stored)
             self._unsent -= 1
             if not self._unsent:
                 self._drained.set()

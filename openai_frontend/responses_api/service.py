@@ -49,7 +49,7 @@ class ResponsesService:
         self.store = ResponseStore.from_url(
             settings.response_store_url(), ttl_s=settings.response_ttl_s, max_responses=settings.response_store_max
         )
-        self.writer = StoreWriter(self.store)
+        self.writer = StoreWriter(self.store, self.owner)
         self._runs: dict[str, Run] = {}
         self._tasks: list[asyncio.Task] = []
         self._taking_over: set[str] = set()

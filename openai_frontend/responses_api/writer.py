@@ -31,8 +31,9 @@ class _Write:
 class StoreWriter:
     RETRY_S = (0.05, 0.2, 1.0)
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, owner: str) -> None:
         self._store = store
+        self._owner = owner  # events go in only for responses this frontend still holds
         self._pending: list[_Write] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -71,7 +72,7 @@ class StoreWriter:
             events = [e for w in batch for e in w.events]
             changes = [w.change for w in batch if w.change is not None]
             try:
-                refused = await self._store.commit(events, changes)
+                refused = await self._store.commit(events, changes, owner=self._owner)
             except StoreUnavailable as e:
                 delay = self.RETRY_S[min(failures, len(self.RETRY_S) - 1)]
                 failures += 1
