@@ -190,13 +190,13 @@ class ResponsesService:
         items: list[dict[str, Any]] = []
         for row in reversed(chain):
             items += row.input_items
-            items += self._current(row)["output"]
+            items += (await self._current(row))["output"]
         return items
 
     # -- stored responses ---------------------------------------------------------------------------
 
     async def retrieve(self, response_id: str) -> dict[str, Any]:
-        return self._current(await self._row(response_id))
+        return await self._current(await self._row(response_id))
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         if not await self._stored(self.store.delete(response_id)):
@@ -279,10 +279,23 @@ class ResponsesService:
             raise ResponseNotFound(response_id)
         return row
 
-    def _current(self, row: StoredResponse) -> dict[str, Any]:
-        """The response object now: this process's run's when it generates it, else the stored one."""
+    async def _current(self, row: StoredResponse) -> dict[str, Any]:
+        """The response object now: this process's run's when it generates it; for one another frontend is
+        generating, what its stored events say so far; else the stored one."""
         run = self._runs.get(row.id)
-        return run.builder.response if run is not None and not run.done else row.response
+        if run is not None and not run.done:
+            return run.builder.response
+        if row.status in TERMINAL or row.last_sequence_number < 0:
+            return row.response
+        events = await self._stored(self.store.events_after(row.id, -1, limit=row.last_sequence_number + 1))
+        try:
+            skeleton = response_object(
+                ResponsesRequest.model_validate(row.request), row.id, int(row.created_at), "queued"
+            )
+            return ResponseEvents.restore(skeleton, [json.loads(e.data) for e in events]).response
+        except Exception:  # a row this version cannot read back: what was stored at its last status change
+            log.exception("response %s: its events could not be read back", row.id)
+            return row.response
 
     @staticmethod
     async def _stored(call: Any) -> Any:

@@ -208,6 +208,8 @@ def _kill_and_take_over(url_of_reader: str, generating: Frontend, restart: Front
     deadline = time.monotonic() + 60
     while len(seen) < 30 and time.monotonic() < deadline:
         time.sleep(0.01)
+    with httpx.Client(base_url=url_of_reader, timeout=60) as http:
+        midway = http.get(f"/v1/responses/{response_id}").json()  # (on b: read back from its stored events)
     generating.proc.send_signal(signal.SIGKILL)
     generating.proc.wait(10)
     at_kill = len(seen)
@@ -230,6 +232,8 @@ def _kill_and_take_over(url_of_reader: str, generating: Frontend, restart: Front
         stored = http.get(f"/v1/responses/{response_id}").json()
         replay = frames_of(http.get(f"/v1/responses/{response_id}", params={"stream": "true"}).text)
     assert stored["status"] == "incomplete" and stored["usage"]["output_tokens"] == 160
+    assert midway["status"] == "in_progress" and midway["output"][0]["content"][0]["text"]
+    assert joined_text(frames).startswith(midway["output"][0]["content"][0]["text"])
     assert replay == frames  # what a reader that never dropped gets, byte for byte
 
 
