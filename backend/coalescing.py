@@ -55,6 +55,7 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
         stop_reason=last.stop_reason,
         num_prompt_tokens=first.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=first.num_cached_tokens,
         request_finished=last.request_finished,
         prompt_logprobs=first.prompt_logprobs,
     )

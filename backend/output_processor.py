@@ -206,6 +206,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             request_finished=request_finished,
             prompt_logprobs=prompt_logprobs,
         )

@@ -8,7 +8,7 @@ step gives each sequence some of its missing tokens, up to a token budget, and t
   and the rest in later steps; it samples only in the step it catches up.
 - Prefix caching starts a new sequence with num_computed_tokens > 0 (blocks found by hash), except
   a sequence that asked for prompt logprobs and has not sampled yet: it needs the logits of every
-  prompt position, so it computes them all.
+  prompt position, so it computes them all. What its first admission found is its num_cached_tokens.
 - Preemption by recompute frees a sequence's blocks and sets num_computed_tokens back to 0; its
   generated tokens stay, and it catches up again (prompt + outputs) when it is readmitted.
 
@@ -175,6 +175,8 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                     break
                 self._waiting.popleft()
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed_tokens
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self._running, seq, key=_order)
                 seats += need_seats
@@ -253,6 +255,7 @@ class Scheduler:
             for child in forked:
                 self.block_manager.fork(seq, child)
                 child.num_computed_tokens = seq.num_computed_tokens
+                child.num_cached_tokens = seq.num_cached_tokens  # the prompt they share
                 child.status = SequenceStatus.RUNNING
                 bisect.insort(self._running, child, key=_order)
         copies.extend(alloc.copies)

@@ -4,10 +4,11 @@ A request with n > 1 is n sequences. Sequence 0 is the fork leader: it alone pre
 and when it samples for the first time the scheduler forks the others (FORK_PENDING until then)
 so they share the prompt's KV blocks and each samples its first token from the leader's logits.
 
-The scheduler reads and advances `num_computed_tokens` and `status`, appends the sampled tokens and
-frees finished sequences; the engine owns the opaque per-sequence slots (`generator`, `detokenizer`,
-`stop_matcher`, `next_step`, `finish_reason`, `grammar`, `logits_inputs`, `prompt_scores`, `prompt_logprobs`), which the
-scheduler never touches. No torch here.
+The scheduler reads and advances `num_computed_tokens` and `status`, records `num_cached_tokens` at
+the first admission, appends the sampled tokens and frees finished sequences; the engine owns the
+opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`, `finish_reason`,
+`grammar`, `logits_inputs`, `prompt_scores`, `prompt_logprobs`), which the scheduler never touches.
+No torch here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Sequence:
         "bad_words_token_ids",
         "arrival",
         "num_computed_tokens",
+        "num_cached_tokens",
         "status",
         "fork_leader",
         "fork_pending",
@@ -77,6 +79,9 @@ class Sequence:
         self.bad_words_token_ids = bad_words_token_ids  # params.bad_words, tokenized (backend/bad_words.py)
         self.arrival = arrival  # FCFS order; siblings of one request share it
         self.num_computed_tokens = 0
+        # Prompt tokens whose KV came from the prefix cache when the sequence was first admitted (None until
+        # then). A readmission after preemption may hit the sequence's own blocks, which the prompt did not.
+        self.num_cached_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.fork_leader: Sequence | None = None  # set on siblings 1..n-1
         self.fork_pending: list[Sequence] = []  # on the leader: siblings not yet forked

@@ -164,7 +164,7 @@ class ChatService:
                 index = p * n + out.seq_index
                 if first:  # the role goes first, once per choice (after the engine accepted the request)
                     first = False
-                    usage = Usage(gen.usage.prompt_tokens, 0) if plan.continuous_usage else None
+                    usage = gen.usage.without_completion() if plan.continuous_usage else None
                     # vLLM's response-level fields travel on the first chunk.
                     yield self._chunk(
                         plan,

@@ -163,7 +163,7 @@ class CompletionService:
     @staticmethod
     def _usage(gen: Generation, plan: CompletionPlan) -> Usage:
         """Usage counts what the response shows: echo with max_tokens 0 completes no token."""
-        return Usage(gen.usage.prompt_tokens, 0) if plan.echo_only else gen.usage
+        return gen.usage.without_completion() if plan.echo_only else gen.usage
 
 
 def _engine_prompts(

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
@@ -57,12 +58,19 @@ class _Failed:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV the engine found in its prefix cache
 
-    def to_dict(self) -> dict[str, int]:
+    def without_completion(self) -> Usage:
+        """The usage of a chunk or response that shows none of the completed tokens."""
+        return Usage(self.prompt_tokens, 0, self.cached_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's chat and completions usage."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -83,6 +91,7 @@ class Generation:
         # One state per sequence, keyed by (prompt_index, seq_index).
         self._seqs = {(p, s): _SeqState() for p in range(len(prompts)) for s in range(params.n)}
         self._prompt_tokens: dict[int, int] = {}  # prompt_index -> num_prompt_tokens, once heard from
+        self._cached_tokens: dict[int, int] = {}  # prompt_index -> num_cached_tokens, once heard from
         self._completion_tokens = 0
         self._first_token_seen = False
         # Several prompts are several engine requests: the engine's queue bound admits them as one.
@@ -91,7 +100,7 @@ class Generation:
     @property
     def usage(self) -> Usage:
         """Running usage: prompt tokens of the prompts heard from so far, tokens received so far."""
-        return Usage(sum(self._prompt_tokens.values()), self._completion_tokens)
+        return Usage(sum(self._prompt_tokens.values()), self._completion_tokens, sum(self._cached_tokens.values()))
 
     async def events(self) -> AsyncIterator[tuple[int, StepOutput]]:
         self.metrics.requests_in_flight.inc()
@@ -203,6 +212,7 @@ class Generation:
         state.finished = out.finish_reason is not None
         if p not in self._prompt_tokens:
             self._prompt_tokens[p] = out.num_prompt_tokens
+            self._cached_tokens[p] = out.num_cached_tokens
             self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         if ntok:
             now = time.monotonic()

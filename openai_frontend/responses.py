@@ -34,10 +34,15 @@ class _StreamModel(OpenAIBaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+class PromptTokensDetails(_StreamModel):
+    cached_tokens: int  # prompt tokens served from the engine's prefix cache
+
+
 class UsageInfo(_StreamModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | MISSING = MISSING  # OpenAI's: on every usage `of` builds
 
     @classmethod
     def of(cls, usage: Usage) -> UsageInfo:

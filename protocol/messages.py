@@ -88,7 +88,9 @@ class StepOutput:
     unfinished sequence (the Triton adapter sends COMPLETE_FINAL with it). `prompt_logprobs` is set
     on step 0 of every sequence of a request that asked for them (and a token was generated).
     `num_steps` > 1 when a sender that fell behind joined the pending steps `step` .. `step + num_steps - 1`
-    of one sequence into one message (backend/coalescing.py; docs/contract.md).
+    of one sequence into one message (backend/coalescing.py; docs/contract.md). `num_cached_tokens` is how many
+    prompt tokens had their KV found in the prefix cache when the sequence was admitted (the same on every
+    message of the sequence; 0 without a hit).
     """
 
     request_id: str
@@ -104,6 +106,7 @@ class StepOutput:
     request_finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     num_steps: int = 1
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,9 @@ STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "num_prompt_toke
 FINISH_OUTPUTS = ("finish_reason", "stop_reason")
 # Only in a response that joined several steps of a sequence (backend/coalescing.py); absent means 1.
 NUM_STEPS_OUTPUT = "num_steps"
+# Only in a response of a sequence whose prompt hit the prefix cache; absent means 0 (so a model that does
+# not send it reads as no hit).
+NUM_CACHED_TOKENS_OUTPUT = "num_cached_tokens"
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
 PROMPT_LOGPROB_OUTPUTS = (
     "prompt_token_ids",
@@ -96,6 +99,8 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
         arrays["stop_reason"] = _texts([json.dumps(out.stop_reason)], (1,))
     if out.num_steps != 1:
         arrays[NUM_STEPS_OUTPUT] = np.array([out.num_steps], dtype=np.int32)
+    if out.num_cached_tokens:
+        arrays[NUM_CACHED_TOKENS_OUTPUT] = np.array([out.num_cached_tokens], dtype=np.int32)
     lp = out.logprobs
     if lp is not None:
         n, k = len(lp.logprobs), _width(lp.top_token_ids)
@@ -149,6 +154,7 @@ def decode_step(tensors: Mapping[str, RawTensor], request_id: str, request_finis
             request_finished=request_finished,
             prompt_logprobs=_decode_prompt_logprobs(tensors),
             num_steps=_num_steps(tensors),
+            num_cached_tokens=_num_cached_tokens(tensors),
         )
     except WireError:
         raise
@@ -182,6 +188,15 @@ def _num_steps(tensors: Mapping[str, RawTensor]) -> int:
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
     return num_steps
+
+
+def _num_cached_tokens(tensors: Mapping[str, RawTensor]) -> int:
+    if NUM_CACHED_TOKENS_OUTPUT not in tensors:
+        return 0
+    num_cached = _scalar_int(tensors, NUM_CACHED_TOKENS_OUTPUT)
+    if num_cached < 0:
+        raise ValueError(f"num_cached_tokens must be >= 0, not {num_cached}")
+    return num_cached
 
 
 def _finish(tensors: Mapping[str, RawTensor]) -> tuple[FinishReason | None, str | int | None]:

@@ -39,6 +39,7 @@ def scripted_steps(
     finish: Sequence[FinishReason | str] | FinishReason | str = "length",
     *,
     prompt_tokens: int = 5,
+    cached_tokens: int = 0,
     logprobs: int | None = None,
     stop_reason: str | int | None = None,
     request_id: str = "fake",
@@ -76,6 +77,7 @@ def scripted_steps(
                     stop_reason=stop_reason if reason == FinishReason.STOP else None,
                     num_prompt_tokens=prompt_tokens,
                     num_output_tokens=step + 1,
+                    num_cached_tokens=cached_tokens,
                 )
             )
     steps[-1] = dataclasses.replace(steps[-1], request_finished=True)

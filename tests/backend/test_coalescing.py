@@ -6,6 +6,7 @@ that keeps every request's final message last.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -32,6 +33,7 @@ def joined_view(outputs) -> dict[int, tuple]:
             msgs[-1].stop_reason,
             msgs[0].prompt_logprobs,
             sum(m.num_steps for m in msgs),
+            {m.num_cached_tokens for m in msgs},
         )
     return view
 
@@ -77,6 +79,8 @@ def test_joining_all_steps_of_a_sequence_keeps_everything():
         assert joined.step == 0 and joined.num_steps == len(msgs)
         assert joined_view([joined]) == {seq: joined_view(msgs)[seq]}
         assert joined.request_finished == msgs[-1].request_finished
+        cached = [dataclasses.replace(m, num_cached_tokens=16) for m in msgs]
+        assert join_steps(cached).num_cached_tokens == 16
 
 
 def test_joining_messages_that_are_joined_already_keeps_everything():

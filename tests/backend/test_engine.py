@@ -196,6 +196,18 @@ def test_greedy_output_is_the_same_under_preemption_and_chunked_prefill():
     assert tight == roomy
 
 
+def test_a_prompt_sharing_whole_cached_blocks_reports_them_on_every_message():
+    engine = tiny_engine()  # (block_size 8) its own, so no earlier test's blocks are cached
+    shared = list(range(500, 540))  # 5 blocks
+    params = {"max_tokens": 4, "ignore_eos": True}
+    first = generate(engine, prompt=shared, request_id="first", **params)
+    again = generate(engine, prompt=shared, request_id="again", n=2, **params)
+    longer = generate(engine, prompt=shared[:24] + list(range(600, 610)), request_id="longer", **params)
+    cached = {key: {m.num_cached_tokens for m in msgs} for key, msgs in (first | again | longer).items()}
+    # All 5 blocks of `again` hit, but its last token is computed for logits: the last block is recomputed.
+    assert cached == {("first", 0): {0}, ("again", 0): {32}, ("again", 1): {32}, ("longer", 0): {24}}
+
+
 requests_strategy = st.lists(
     st.fixed_dictionaries(
         {

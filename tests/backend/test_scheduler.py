@@ -301,6 +301,33 @@ def test_prefix_hit_skips_computed_tokens():
     (e,) = [e for e in out.scheduled if e.seq is c]
     assert e.start_position == 20  # a computed 22 tokens (its last sampled token never is): 5 full blocks
     h.run([])
+    assert [h.seqs[(r, 0)].num_cached_tokens for r in "abc"] == [0, 16, 20]
+
+
+def test_cached_tokens_are_those_of_the_first_admission_shared_by_forked_siblings():
+    h = Harness(budget=64, num_blocks=64)
+    p = prompt(12, 7)
+    h.run([Req("a", p, max_tokens=2)])
+    leader, sibling = h.add(Req("n2", p + (9,), n=2, max_tokens=2))
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    scoring = Sequence(next(_seq_ids), "scores", 0, p + (9,), params, next(h.arrivals))
+    h.sched.add_request([scoring])
+    h.run([])
+    assert (leader.num_cached_tokens, sibling.num_cached_tokens) == (12, 12)
+    assert scoring.num_cached_tokens == 0  # it computes every prompt position for their logits
+
+
+def test_a_readmission_after_preemption_keeps_the_first_cached_count():
+    h = Harness(num_blocks=16, block_size=4, max_num_seqs=2, budget=64, max_model_len=64)
+    h.add(Req("a", prompt(20, 1), max_tokens=30))
+    (b,) = h.add(Req("b", prompt(20, 2), max_tokens=30))
+    while not h.step().preempted:
+        pass
+    assert b.status is SequenceStatus.WAITING and b.num_cached_tokens == 0
+    hits = h.bm.stats().prefix_hits
+    h.run([])
+    assert h.bm.stats().prefix_hits > hits  # b found its own blocks again ...
+    assert b.num_cached_tokens == 0  # ... which its prompt did not
 
 
 def test_abort_frees_blocks_at_once():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import httpx
 import openai
@@ -161,6 +162,32 @@ def test_truncate_prompt_tokens_runs_the_last_tokens(client, servers):
     assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == same.choices[0].text
     whole = client.completions.create(model=servers.model, prompt=text, max_tokens=5, temperature=0)
     assert whole.usage.prompt_tokens == len(ids) > 6
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client, servers):
+    # A fresh first block (its own id), then text enough for several KV blocks (config.pbtxt's block_size 16).
+    prompt = f"Request {uuid.uuid4().hex}. " + "The quick brown fox jumps over the lazy dog. " * 12
+    first, again = (client.completions.create(model=servers.model, prompt=prompt, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 4 * 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # Whole blocks only, and never the last token (it is computed for its logits).
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0
+    messages = [{"role": "user", "content": prompt}]
+    chats = [
+        list(
+            client.chat.completions.create(
+                model=servers.model,
+                messages=messages,
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )[-1].usage
+        for _ in range(2)
+    ]
+    assert chats[0].prompt_tokens_details.cached_tokens < chats[1].prompt_tokens_details.cached_tokens
+    assert chats[1].prompt_tokens_details.cached_tokens >= chats[1].prompt_tokens - 16
 
 
 def test_bad_words_are_not_generated(client, servers):

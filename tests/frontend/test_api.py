@@ -89,6 +89,7 @@ async def test_completions_n2_logprobs0_usage(max_tokens: int) -> None:
         "prompt_tokens": 3,
         "completion_tokens": 2 * max_tokens,
         "total_tokens": 3 + 2 * max_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert all("usage" not in c for c in chunks)
     choices = by_choice(chunks)
@@ -164,7 +165,12 @@ async def test_batched_prompts_index_is_prompt_times_n_plus_seq() -> None:
         4: "p2yy/0",
         5: "p2yy/1",
     }
-    assert events[-1]["usage"] == {"prompt_tokens": 2 + 3 + 4, "completion_tokens": 6, "total_tokens": 15}
+    assert events[-1]["usage"] == {
+        "prompt_tokens": 2 + 3 + 4,
+        "completion_tokens": 6,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert sorted(c.prompt for c in engine.calls) == ["p0", "p1x", "p2yy"]  # one engine request per prompt
     assert len({c.request_id for c in engine.calls}) == 3
     # ... which the engine's queue bound admits as one
@@ -173,6 +179,41 @@ async def test_batched_prompts_index_is_prompt_times_n_plus_seq() -> None:
     single = FakeEngineClient(script)
     await stream(single, "/v1/completions", {"prompt": "alone", "n": 2})
     assert single.calls[0].admission_group is None
+
+
+async def test_cached_prompt_tokens_are_summed_over_prompts_once_each() -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's): each prompt's prefix-cache hit as its first
+    message says, counted once per prompt whatever n is, in every usage of chat and completions."""
+
+    def script(prompt, params):
+        text = prompt if isinstance(prompt, str) else ""
+        cached = 16 if "p1" in text else 32 if "p2" in text else 0
+        seqs = [[f"s{s}t{i} " for i in range(2)] for s in range(params.n)]
+        return scripted_steps(seqs, prompt_tokens=40, cached_tokens=cached)
+
+    engine = FakeEngineClient(script)
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "prompt": ["p0", "p1", "p2"], "n": 2, "max_tokens": 2}
+    async with make_client(engine) as client:
+        whole = (await client.post("/v1/completions", json=body)).json()
+        events = parse_sse(
+            (await client.post("/v1/completions", json={**body, "stream": True, "stream_options": usage})).text
+        )[:-1]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "p2"}], "max_tokens": 2}
+        chat_whole = (await client.post("/v1/chat/completions", json=chat)).json()
+        chat_events = parse_sse(
+            (await client.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": usage})).text
+        )[:-1]
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 16 + 32}
+    assert events[-1]["usage"] == whole["usage"]
+    assert all(e["usage"]["prompt_tokens_details"]["cached_tokens"] <= 48 for e in events)
+    assert chat_whole["usage"] == {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    assert all(e["usage"]["prompt_tokens_details"] == {"cached_tokens": 32} for e in chat_events)  # the role chunk too
 
 
 async def test_token_id_prompts() -> None:
@@ -566,7 +607,12 @@ async def test_chat_non_streaming_with_logprobs() -> None:
     assert [c["token"] for c in content] == ["s0t0 ", "s0t1 "]
     assert content[0]["bytes"] == list(b"s0t0 ")
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["s0t0 ~0", "s0t0 ~1"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}  # fake: words of the prompt
+    assert body["usage"] == {  # fake: words of the prompt
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert engine.calls[0].params.logprobs == 2
 
 

@@ -77,7 +77,12 @@ async def test_echo_with_logprobs_scores_the_prompt_like_openai_legacy() -> None
     assert lp["top_logprobs"][1] == {TOKENIZER.token_text(ids[1]): -0.5}  # its one alternative is itself
     texts = [TOKENIZER.token_text(t) for t in ids] + ["s0t0 ", "s0t1 "]
     assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 2, "total_tokens": len(ids) + 2}
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 2,
+        "total_tokens": len(ids) + 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_lm_eval_loglikelihood_request_with_token_id_prompts() -> None:

@@ -106,11 +106,16 @@ def _lp(texts: list[str], k: int) -> TokenLogprobs:
             prompt_logprobs=PromptLogprobs((5,), ("only",), (), (), (), (), ()),
         ),
         StepOutput("r", 1, 4, (7, 8, 9), "xyz", None, FinishReason.LENGTH, None, 3, 12, num_steps=3),
+        StepOutput("r", 0, 0, (7,), "x", None, None, None, 40, 1, num_cached_tokens=32),
+        StepOutput(
+            "r", 1, 2, (7, 8), "xy", None, FinishReason.STOP, None, 40, 4, True, num_steps=2, num_cached_tokens=8
+        ),
     ],
 )
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out
     assert ("num_steps" in wire.encode_step(out)) == (out.num_steps > 1)  # absent means one step
+    assert ("num_cached_tokens" in wire.encode_step(out)) == (out.num_cached_tokens > 0)  # absent means none
     # absent means the sequence goes on
     assert ("finish_reason" in wire.encode_step(out)) == ("stop_reason" in wire.encode_step(out)) == out.finished
 
@@ -136,6 +141,11 @@ async def test_decode_empty_final_and_malformed() -> None:
     del half.raw_output_contents[stop]
     with pytest.raises(EngineFailure, match="stop_reason missing beside finish_reason"):
         decode_response(half, "r")
+    negative = encode_step(StepOutput("r", 0, 0, (1,), "x", None, None, None, 9, 1, num_cached_tokens=8))
+    cached = [o.name for o in negative.outputs].index("num_cached_tokens")
+    negative.raw_output_contents[cached] = np.array([-8], dtype=np.int32).tobytes()
+    with pytest.raises(EngineFailure, match="num_cached_tokens must be >= 0"):
+        decode_response(negative, "r")
     no_raw = service_pb2.ModelInferResponse()
     no_raw.CopyFrom(good)
     del no_raw.raw_output_contents[:]

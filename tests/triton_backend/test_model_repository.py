@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from backend.config import EngineConfig, instance_settings
+from protocol import wire
 from tests.engine_helpers import smollm2_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[2] / "model_repository" / "smollm2-135m-instruct" / "config.pbtxt"
@@ -41,6 +42,19 @@ def test_instances_split_the_cores_or_take_a_gpu_each():
     assert instance_settings(auto, "CPU", cpu_instances=4, cpu_threads=2) == {"num_threads": "1"}
     assert instance_settings({"num_threads": "3"}, "CPU", cpu_instances=2, cpu_threads=16) == {}
     assert instance_settings(auto, "GPU", cpu_instances=0, cpu_threads=16) == {"device": "cuda"}
+
+
+def test_the_config_declares_every_output_a_step_message_can_carry():
+    declared = set(re.findall(r'\{ name: "([^"]+)" data_type', CONFIG.read_text().split("output [")[1]))
+    sent = {
+        *wire.STEP_OUTPUTS,
+        *wire.FINISH_OUTPUTS,
+        wire.NUM_STEPS_OUTPUT,
+        wire.NUM_CACHED_TOKENS_OUTPUT,
+        *wire.LOGPROB_OUTPUTS,
+        *wire.PROMPT_LOGPROB_OUTPUTS,
+    }
+    assert sent <= declared
 
 
 def test_chat_template_and_special_tokens_match_the_gguf():
