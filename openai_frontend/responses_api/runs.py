@@ -36,10 +36,10 @@ def sse_frame(event_type: str, data: str) -> str:
 
 
 def responses_usage(usage: Usage) -> dict[str, Any]:
-    """OpenAI's Responses usage of a run (the engine does not yet report prefix-cache hits: cached_tokens 0)."""
+    """OpenAI's Responses usage of a run; cached_tokens are the prompt tokens the prefix cache served."""
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,

@@ -73,6 +73,7 @@ def test_streamed_events_equal_the_stored_response(client, servers):
     assert again.output_text == deltas  # seeded: the same text
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(again.id)
+    assert again.usage.input_tokens_details.cached_tokens > 0  # the same prompt: served by the prefix cache
     items = client.responses.input_items.list(stored.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Write about the sea."
 
