@@ -56,11 +56,12 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
         await engine.close()
 
     app = FastAPI(title="LLM serving OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if isinstance(getattr(engine, "registry", None), CollectorRegistry):
+        metrics.extra_registries.append(engine.registry)  # type: ignore[attr-defined]
+    engine = settings.served_names.wrap(engine)  # from here on, models go by their served names
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
-    if isinstance(getattr(engine, "registry", None), CollectorRegistry):
-        metrics.extra_registries.append(engine.registry)  # type: ignore[attr-defined]
     app.state.service = Service(engine, settings, metrics)
     app.state.tokenizer_api = TokenizerAPI(engine, app.state.service.tokenizers)
     app.state.started = int(time.time())
@@ -216,6 +217,9 @@ class _BodyLimit:
         await self.app(scope, counted, send_413_instead)
 
 
+_READINESS_PATHS = ("/health/ready", "/ping")
+
+
 class _RefuseWhileDraining:
     """While shutting down (shutdown.py): readiness and every new request get a 503; liveness and
     metrics still answer."""
@@ -227,7 +231,7 @@ class _RefuseWhileDraining:
         if scope["type"] != "http" or not self.drain.draining or scope["path"] in ("/health", "/metrics"):
             await self.app(scope, receive, send)
             return
-        if scope["path"] == "/health/ready":
+        if scope["path"] in _READINESS_PATHS:
             response = JSONResponse({"status": "shutting down"}, status_code=503)
         else:
             response = _error_response(EngineUnavailable("the server is shutting down", code="shutting_down"))

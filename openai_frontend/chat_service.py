@@ -142,6 +142,7 @@ class ChatService:
         last = req.messages[-1]
         return ChatPlan.of(
             req,
+            model=model,
             id_prefix="chatcmpl",
             prompts=(prompt,),
             params=params,
@@ -242,7 +243,7 @@ class ChatService:
             created=plan.created,
             model=plan.model,
             choices=choices,
-            usage=usage_field(usage),
+            usage=usage_field(usage, plan),
             prompt_token_ids=prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
         )

@@ -98,6 +98,7 @@ class CompletionService:
             )
         return CompletionPlan.of(
             req,
+            model=model,
             id_prefix="cmpl",
             prompts=prompts,
             params=params,
@@ -157,7 +158,7 @@ class CompletionService:
         plan: CompletionPlan, choices: list[CompletionResponseStreamChoice], usage: Usage | None
     ) -> CompletionStreamResponse:
         return CompletionStreamResponse(
-            id=plan.request_id, created=plan.created, model=plan.model, choices=choices, usage=usage_field(usage)
+            id=plan.request_id, created=plan.created, model=plan.model, choices=choices, usage=usage_field(usage, plan)
         )
 
     @staticmethod

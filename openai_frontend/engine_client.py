@@ -25,6 +25,7 @@ class ModelInfo:
     eos_token: str = ""
     max_model_len: int | None = None
     tokenizer_source: str | None = None  # the engine's `model` parameter: where the frontend finds the tokenizer
+    root: str | None = None  # the Triton model a served name stands for (served_names.py); None: `name` itself
 
 
 class EngineClient(Protocol):

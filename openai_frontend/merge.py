@@ -61,7 +61,7 @@ async def _merge(chunks: AsyncIterator[Any], fold: Callable[[Any, Any], C]) -> M
         async for chunk in chunks:
             if first is None:
                 first = chunk
-            if chunk.usage is not MISSING:
+            if isinstance(chunk.usage, UsageInfo):
                 usage = chunk.usage
             for c in chunk.choices:
                 choices[c.index] = fold(choices.get(c.index), c)

@@ -41,6 +41,7 @@ class GenerationPlan:
         cls,
         req: SamplingFields,
         *,
+        model: ModelInfo,
         id_prefix: str,
         prompts: tuple[Prompt, ...],
         params: SamplingParams,
@@ -49,12 +50,12 @@ class GenerationPlan:
         usage: tuple[bool, bool],
         **own: Any,
     ) -> Self:
-        """A plan of `req`: the fields every plan fills alike, and the endpoint's `own` fields."""
+        """A plan of `req` to `model`: the fields every plan fills alike, and the endpoint's `own` fields."""
         include_usage, continuous_usage = usage
         return cls(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=req.model,
+            model=model.name,  # the name responses report and the engine client is asked for (served_names.py)
             prompts=prompts,
             params=params,
             arrival=arrival,

@@ -111,7 +111,7 @@ class CompletionResponseStreamChoice(_StreamModel):
 class CompletionStreamResponse(_Envelope, _StreamModel):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | MISSING = MISSING
+    usage: UsageInfo | None | MISSING = MISSING  # null before the last chunk with include_usage (OpenAI's)
 
 
 class CompletionResponseChoice(OpenAIBaseModel):
@@ -164,7 +164,7 @@ class ChatCompletionResponseStreamChoice(_StreamModel):
 class ChatCompletionStreamResponse(_Envelope, _StreamModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | MISSING = MISSING
+    usage: UsageInfo | None | MISSING = MISSING  # null before the last chunk with include_usage (OpenAI's)
     prompt_token_ids: list[int] | MISSING = MISSING  # vLLM's response-level fields: on the first chunk
     prompt_logprobs: SkipValidation[VllmPromptLogprobs | None | MISSING] = MISSING
 

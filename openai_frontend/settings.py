@@ -7,6 +7,8 @@ import os
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
+from openai_frontend.served_names import ServedNames
+
 # grpcio's EventEngine client hands each message Triton streams through threads of its own before the
 # poller thread that wakes the event loop; with this experiment off, that poller thread reads the socket
 # itself. Every streamed token crosses that path, and each thread woken takes the cores the engine steps on
@@ -29,6 +31,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     api_key: str | None = None
     log_level: str = "info"
+    served_names: ServedNames = ServedNames()  # --served-model-name: the names clients use for the models
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long open requests may run on
@@ -123,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer <key>' on /v1/* (default from FRONTEND_API_KEY; unset: no authentication)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        dest="served_model_names",
+        metavar="NAME",
+        help="names clients use for the model Triton serves (vLLM's flag): /v1/models lists each, requests may "
+        "give any, responses report the first, and the Triton name is no longer served; with several Triton "
+        "models give NAME=TRITON_MODEL values (docs/frontend.md)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -250,6 +263,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             cors_origins=tuple(args.cors_origins),
             api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None,
             log_level=args.log_level,
+            served_names=ServedNames.parse(args.served_model_names),
             tokenizer=args.tokenizer,
             max_request_bytes=args.max_request_bytes,
             shutdown_grace_s=args.shutdown_grace_s,

@@ -59,8 +59,11 @@ async def primed(chunks: AsyncIterator[T]) -> AsyncIterator[T]:
     return replay()
 
 
-def usage_field(usage: Usage | None) -> UsageInfo | MISSING:
-    return MISSING if usage is None else UsageInfo.of(usage)
+def usage_field(usage: Usage | None, plan: GenerationPlan) -> UsageInfo | None | MISSING:
+    """A chunk's usage: OpenAI's null on every chunk but the last where usage is asked for, else left out."""
+    if usage is not None:
+        return UsageInfo.of(usage)
+    return None if plan.include_usage else MISSING
 
 
 def prompt_ids_field(plan: GenerationPlan, prompt_index: int) -> list[int] | MISSING:

@@ -61,8 +61,9 @@ class TokenizerAPI:
     async def _model(self, name: str | None) -> tuple[ModelInfo, Tokenizer]:
         if name is None:
             models = await self.engine.list_models()
-            if len(models) != 1:
-                raise InvalidRequest(f"model is required: this server serves {len(models)} models", "model")
+            served = {m.root or m.name for m in models}  # one model under several served names is one model
+            if len(served) != 1:
+                raise InvalidRequest(f"model is required: this server serves {len(served)} models", "model")
             model = models[0]
         else:
             model = await self.engine.model_config(name)  # ModelNotFound -> 404

@@ -1,4 +1,4 @@
-"""GET /health (the frontend is up), /health/ready (Triton and a model ready) and /metrics."""
+"""GET /health (the frontend is up), /health/ready and SageMaker's /ping (Triton and a model ready), and /metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ async def health() -> dict[str, str]:
 
 
 @router.get("/health/ready")
+@router.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, beside /invocations (as vLLM's)
 async def ready(request: Request) -> JSONResponse:
     if await request.app.state.engine.ready():
         return JSONResponse({"status": "ready"})

@@ -91,7 +91,7 @@ async def test_completions_n2_logprobs0_usage(max_tokens: int) -> None:
         "total_tokens": 3 + 2 * max_tokens,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    assert all("usage" not in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks)  # OpenAI's null until the usage chunk
     choices = by_choice(chunks)
     assert sorted(choices) == [0, 1]
     for index, parts in choices.items():
@@ -260,6 +260,19 @@ async def test_continuous_usage_stats_without_include_usage_sends_no_usage() -> 
             },
         )
         assert events and all("usage" not in e for e in events) and all(e["choices"] for e in events)
+
+
+async def test_include_usage_chunks_before_the_last_carry_usage_null() -> None:
+    """OpenAI's streaming shape: with include_usage every chunk has `usage`, null but on the last one."""
+    for path, body in [
+        ("/v1/completions", {"prompt": "a b", "echo": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ]:
+        base = {**body, "n": 2, "max_tokens": 3}
+        *chunks, last = await stream(FakeEngineClient(), path, {**base, "stream_options": {"include_usage": True}})
+        assert chunks and all(c["usage"] is None and c["choices"] for c in chunks)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+        assert all("usage" not in c for c in await stream(FakeEngineClient(), path, base))
 
 
 async def test_seed_outside_the_signed_64_bit_range_is_a_400() -> None:
@@ -846,6 +859,7 @@ async def test_unknown_model_404_and_unreachable_503() -> None:
         assert (await client.get("/v1/models")).status_code == 503
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/health/ready")).status_code == 503
+        assert (await client.get("/ping")).status_code == (await client.post("/ping")).status_code == 503
 
 
 async def test_models_and_health() -> None:
@@ -855,6 +869,8 @@ async def test_models_and_health() -> None:
         card = (await client.get(f"/v1/models/{MODEL}")).json()
         assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 2048
         assert (await client.get("/health/ready")).json() == {"status": "ready"}
+        for r in (await client.get("/ping"), await client.post("/ping")):
+            assert r.status_code == 200 and r.json() == {"status": "ready"}
 
 
 async def test_api_key() -> None:
@@ -867,7 +883,7 @@ async def test_api_key() -> None:
         assert r.status_code == 401
         r = await client.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200
-        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/health")).status_code == (await client.get("/ping")).status_code == 200
 
 
 async def test_cors() -> None:
@@ -1041,7 +1057,9 @@ async def test_draining_refuses_new_work_and_ends_what_outlives_the_grace_period
             await asyncio.sleep(0.01)
         drain = asyncio.create_task(app.state.drain.run())
         await asyncio.sleep(0.05)
-        assert (await client.get("/health/ready")).status_code == 503
+        for path in ("/health/ready", "/ping"):
+            r = await client.get(path)
+            assert r.status_code == 503 and r.json() == {"status": "shutting down"}
         assert (await client.get("/health")).status_code == 200
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" and r.headers["retry-after"]
