@@ -99,7 +99,7 @@ class ResponsesService:
         history = await self._history(req.previous_response_id) if req.previous_response_id else []
         plan = await self._plan(req, history, seed)
         status = "queued" if req.background else "in_progress"
-        builder = ResponseEvents(response_object(req, response_id, created_at, status))
+        builder = ResponseEvents({**response_object(req, response_id, created_at, status), "model": plan.model})
         gen = generation(self.engine, self.metrics, plan)
         engine: EngineEvents | None = None
         if not req.background:
@@ -289,9 +289,8 @@ class ResponsesService:
             return row.response
         events = await self._stored(self.store.events_after(row.id, -1, limit=row.last_sequence_number + 1))
         try:
-            skeleton = response_object(
-                ResponsesRequest.model_validate(row.request), row.id, int(row.created_at), "queued"
-            )
+            req = ResponsesRequest.model_validate(row.request)
+            skeleton = {**response_object(req, row.id, int(row.created_at), "queued"), "model": row.response["model"]}
             return ResponseEvents.restore(skeleton, [json.loads(e.data) for e in events]).response
         except Exception:  # a row this version cannot read back: what was stored at its last status change
             log.exception("response %s: its events could not be read back", row.id)
@@ -348,7 +347,7 @@ class ResponsesService:
             history = await self._history(req.previous_response_id) if req.previous_response_id else []
             plan = await self._plan(req, history, row.request["seed"])
             stored = await self.store.events_after(row.id, -1, limit=10**9)
-            skeleton = response_object(req, row.id, int(row.created_at), "queued")
+            skeleton = {**response_object(req, row.id, int(row.created_at), "queued"), "model": plan.model}
             builder = ResponseEvents.restore(skeleton, [json.loads(e.data) for e in stored])
         except Exception as e:
             log.exception("response %s: cannot be continued", row.id)

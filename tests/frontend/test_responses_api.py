@@ -245,3 +245,13 @@ async def test_store_unreachable_is_a_503_and_store_false_goes_on(tmp_path: Path
         assert r.status_code == 503
         r = await client.post("/v1/responses", json={"model": MODEL, "input": "x", "store": False})
         assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "a"
+
+
+async def test_a_served_model_alias_reports_the_first_served_name(tmp_path: Path) -> None:
+    from openai_frontend.served_names import ServedNames
+
+    names = ServedNames.parse(["first-name", "second-name"])
+    async with client_of(FakeEngineClient(text_script(["a"])), tmp_path, served_names=names) as client:
+        r = await client.post("/v1/responses", json={"model": "second-name", "input": "x"})
+        assert r.status_code == 200 and r.json()["model"] == "first-name", r.text
+        assert (await client.get(f"/v1/responses/{r.json()['id']}")).json()["model"] == "first-name"
