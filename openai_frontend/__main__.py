@@ -10,6 +10,7 @@ import uvicorn  # noqa: E402
 
 from openai_frontend.app import create_app  # noqa: E402
 from openai_frontend.connection_limits import ReadLimits, bounded_protocol  # noqa: E402
+from openai_frontend.request_log import configure_access_log  # noqa: E402
 from openai_frontend.server_pool import ServerPool  # noqa: E402
 from openai_frontend.shutdown import GracefulServer  # noqa: E402
 
@@ -33,6 +34,7 @@ def main() -> None:
         timeout_keep_alive=settings.keep_alive_timeout_s,
         limit_concurrency=settings.max_connections,
     )
+    configure_access_log(settings.log_level)  # after uvicorn's Config, which configures its own loggers
     GracefulServer(config, app.state.drain).run()
 
 

@@ -31,6 +31,7 @@ from openai_frontend.errors import (
     RouteNotFound,
 )
 from openai_frontend.metrics import Metrics
+from openai_frontend.request_log import HEADER, RequestIds
 from openai_frontend.routers import chat, completions, health, misc, models, responses, tokenize
 from openai_frontend.service import Service
 from openai_frontend.settings import Settings
@@ -81,10 +82,12 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
             allow_credentials=True,
             allow_methods=["*"],
             allow_headers=["*"],
+            expose_headers=[HEADER],
         )
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(_RefuseWhileDraining, drain=app.state.drain)
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.add_middleware(RequestIds, log_texts=settings.log_requests)  # outermost: every response has its id
     return app
 
 

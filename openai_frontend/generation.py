@@ -26,6 +26,7 @@ from typing import Any
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
 from openai_frontend.metrics import Metrics
+from openai_frontend.request_log import RequestRecord, clipped
 from protocol import AdmissionGroup, SamplingParams, StepOutput
 
 
@@ -33,6 +34,7 @@ from protocol import AdmissionGroup, SamplingParams, StepOutput
 class _SeqState:
     next_step: int = 0
     finished: bool = False
+    finish_reason: str | None = None  # the engine's, for the access log
     tokens: int = 0
     last_token_time: float | None = None
 
@@ -84,16 +86,19 @@ class Generation:
         request_id: str,
         metrics: Metrics,
         arrival: float | None = None,
+        record: RequestRecord | None = None,
     ) -> None:
         self.engine, self.model, self.prompts, self.params = engine, model, prompts, params
-        self.request_id, self.metrics = request_id, metrics
+        self.request_id, self.metrics, self.record = request_id, metrics, record
         self.arrival = time.monotonic() if arrival is None else arrival
         # One state per sequence, keyed by (prompt_index, seq_index).
         self._seqs = {(p, s): _SeqState() for p in range(len(prompts)) for s in range(params.n)}
         self._prompt_tokens: dict[int, int] = {}  # prompt_index -> num_prompt_tokens, once heard from
         self._cached_tokens: dict[int, int] = {}  # prompt_index -> num_cached_tokens, once heard from
         self._completion_tokens = 0
-        self._first_token_seen = False
+        self._first_token_time: float | None = None
+        # --log-requests: each sequence's text, kept by a wrapper of the events (no cost otherwise).
+        self._texts: dict[tuple[int, int], list[str]] | None = {} if record and record.log_texts else None
         # Several prompts are several engine requests: the engine's queue bound admits them as one.
         self._admission_group = AdmissionGroup(request_id, len(prompts)) if len(prompts) > 1 else None
 
@@ -102,7 +107,18 @@ class Generation:
         """Running usage: prompt tokens of the prompts heard from so far, tokens received so far."""
         return Usage(sum(self._prompt_tokens.values()), self._completion_tokens, sum(self._cached_tokens.values()))
 
-    async def events(self) -> AsyncIterator[tuple[int, StepOutput]]:
+    def events(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        return self._events() if self._texts is None else self._kept_texts(self._events(), self._texts)
+
+    async def _kept_texts(
+        self, events: AsyncIterator[tuple[int, StepOutput]], texts: dict[tuple[int, int], list[str]]
+    ) -> AsyncIterator[tuple[int, StepOutput]]:
+        async with aclosing(events):
+            async for p, out in events:
+                texts.setdefault((p, out.seq_index), []).append(out.text_delta)
+                yield p, out
+
+    async def _events(self) -> AsyncIterator[tuple[int, StepOutput]]:
         self.metrics.requests_in_flight.inc()
         self.metrics.in_flight += 1
         try:
@@ -121,6 +137,22 @@ class Generation:
         finally:
             self.metrics.requests_in_flight.dec()
             self.metrics.in_flight -= 1
+            if self.record is not None:
+                self._report(self.record)
+
+    def _report(self, record: RequestRecord) -> None:
+        """The access log's numbers (request_log.py), added once at the end: nothing per token."""
+        usage = self.usage
+        record.generated = True
+        record.prompt_tokens += usage.prompt_tokens
+        record.completion_tokens += usage.completion_tokens
+        record.cached_tokens += usage.cached_tokens
+        if record.ttft_s is None and self._first_token_time is not None:
+            record.ttft_s = self._first_token_time - self.arrival
+        record.finish_reasons += [self._seqs[key].finish_reason for key in sorted(self._seqs)]
+        if self._texts is not None:
+            record.prompts += [clipped(p if isinstance(p, str) else str(list(p))) for p in self.prompts]
+            record.outputs += [clipped("".join(self._texts.get(key, ()))) for key in sorted(self._seqs)]
 
     async def _merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
         """Every prompt's engine request read by a task of its own, their outputs merged as they come."""
@@ -209,7 +241,8 @@ class Generation:
         # Accept the message: update the sequence state, usage and latency metrics.
         state.next_step += out.num_steps
         state.tokens += ntok
-        state.finished = out.finish_reason is not None
+        if out.finish_reason is not None:
+            state.finished, state.finish_reason = True, out.finish_reason.value
         if p not in self._prompt_tokens:
             self._prompt_tokens[p] = out.num_prompt_tokens
             self._cached_tokens[p] = out.num_cached_tokens
@@ -218,8 +251,8 @@ class Generation:
             now = time.monotonic()
             self._completion_tokens += ntok
             self.metrics.generation_tokens.inc(ntok)
-            if not self._first_token_seen:
-                self._first_token_seen = True
+            if self._first_token_time is None:
+                self._first_token_time = now
                 self.metrics.time_to_first_token.observe(now - self.arrival)
             if state.last_token_time is not None:
                 self.metrics.inter_token_latency.observe((now - state.last_token_time) / ntok)

@@ -4,7 +4,6 @@ per endpoint), and the checks and conversions both endpoints share."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -12,6 +11,7 @@ from typing import Any, Self
 from openai_frontend.constraints import Constraint
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import InvalidRequest
+from openai_frontend.request_log import response_ids
 from openai_frontend.schemas import SamplingFields
 from openai_frontend.tool_calls import ToolPlan
 from protocol import InvalidRequestError, SamplingParams
@@ -23,7 +23,8 @@ Prompt = str | tuple[int, ...]
 class GenerationPlan:
     """What both endpoints' plans hold: the engine work and the fields every chunk carries."""
 
-    request_id: str
+    request_id: str  # the response's id: `<prefix>-<X-Request-Id>` (request_log.py)
+    engine_request_id: str  # the Triton request id: unique even when clients' ids repeat
     created: int
     model: str
     prompts: tuple[Prompt, ...]
@@ -52,8 +53,10 @@ class GenerationPlan:
     ) -> Self:
         """A plan of `req` to `model`: the fields every plan fills alike, and the endpoint's `own` fields."""
         include_usage, continuous_usage = usage
+        request_id, engine_request_id = response_ids(id_prefix)
         return cls(
-            request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+            request_id=request_id,
+            engine_request_id=engine_request_id,
             created=int(time.time()),
             model=model.name,  # the name responses report and the engine client is asked for (served_names.py)
             prompts=prompts,

@@ -31,6 +31,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     api_key: str | None = None
     log_level: str = "info"
+    log_requests: bool = False  # prompts and outputs in the access log (request_log.py): users' data, so opt-in
     served_names: ServedNames = ServedNames()  # --served-model-name: the names clients use for the models
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
@@ -245,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn log level",
+        help="uvicorn's and the access log's level (one JSON line per request at info)",
+    )
+    parser.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="add each request's prompts and outputs (each cut to 2048 characters) to its access log line; "
+        "off by default, since they hold users' data",
     )
     return parser
 
@@ -263,6 +270,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             cors_origins=tuple(args.cors_origins),
             api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None,
             log_level=args.log_level,
+            log_requests=args.log_requests,
             served_names=ServedNames.parse(args.served_model_names),
             tokenizer=args.tokenizer,
             max_request_bytes=args.max_request_bytes,

@@ -15,6 +15,7 @@ from openai_frontend.generation import Generation, Usage
 from openai_frontend.logprobs import prompt_logprobs
 from openai_frontend.metrics import Metrics
 from openai_frontend.plans import GenerationPlan
+from openai_frontend.request_log import current_request
 from openai_frontend.responses import UsageInfo, VllmPromptLogprobs
 from protocol import StepOutput
 
@@ -22,7 +23,16 @@ T = TypeVar("T")
 
 
 def generation(engine: EngineClient, metrics: Metrics, plan: GenerationPlan) -> Generation:
-    return Generation(engine, plan.model, plan.prompts, plan.params, plan.request_id, metrics, plan.arrival)
+    return Generation(
+        engine,
+        plan.model,
+        plan.prompts,
+        plan.params,
+        plan.engine_request_id,
+        metrics,
+        plan.arrival,
+        current_request.get(),
+    )
 
 
 async def named_errors(
