@@ -303,14 +303,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("metadata")
     @classmethod
     def _metadata_within_openai_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None and (
-            len(value) > 16 or any(len(k) > 64 for k in value) or any(len(v) > 512 for v in value.values())
-        ):
-            raise InvalidRequest(
-                "metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512",
-                "metadata",
-            )
-        return value
+        return openai_metadata(value)
 
     @field_validator("modalities")
     @classmethod
@@ -355,6 +348,17 @@ class TokenizeChatRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
+
+
+def openai_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds of `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if value is not None and (
+        len(value) > 16 or any(len(k) > 64 for k in value) or any(len(v) > 512 for v in value.values())
+    ):
+        raise InvalidRequest(
+            "metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512", "metadata"
+        )
+    return value
 
 
 def _parts_bounded(content: str | list[TextPart] | None) -> str | list[TextPart] | None:

@@ -25,6 +25,7 @@ from openai_frontend.schemas import (
     TokenId,
     _Request,
     _Strict,
+    openai_metadata,
 )
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -270,14 +271,7 @@ class ResponsesRequest(_Request):
     @field_validator("metadata")
     @classmethod
     def _metadata_within_openai_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None and (
-            len(value) > 16 or any(len(k) > 64 for k in value) or any(len(v) > 512 for v in value.values())
-        ):
-            raise InvalidRequest(
-                "metadata holds at most 16 pairs, keys of at most 64 characters and values of at most 512",
-                "metadata",
-            )
-        return value
+        return openai_metadata(value)
 
     @model_validator(mode="after")
     def _background_is_stored(self) -> ResponsesRequest:
