@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-frontend-ab bench-structured bench-score perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-frontend-ab bench-structured bench-responses bench-score perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -66,6 +66,11 @@ bench-frontend-ab: cpu-kernels
 # Output tok/s at concurrency 8 with a json_schema constraint against the same load without one (same run).
 bench-structured: cpu-kernels
 	$(PY) benchmarks/serve_bench.py --structured --concurrency 8 --requests 16 --skip-inprocess
+
+# /v1/responses (streamed, stored in SQLite and in PostgreSQL) against chat completions in the same run: output
+# tok/s at 8 streams, the frontend's CPU per token at 64, resume latency (benchmarks/responses_bench.py).
+bench-responses: cpu-kernels
+	$(PY) benchmarks/responses_bench.py $(ARGS)
 
 # Scoring prompts as lm-eval's loglikelihood requests do (echo + logprobs), served, against transformers.
 bench-score: cpu-kernels
