@@ -310,8 +310,9 @@ class ResponsesService:
         while True:
             await asyncio.sleep(period)
             with contextlib.suppress(StoreUnavailable):
+                running = dict(self._runs)  # (a run created while the renewal is under way is not judged by it)
                 held = await self.store.renew(self.owner, time.time() + self.settings.response_lease_s)
-                for response_id, run in list(self._runs.items()):
+                for response_id, run in running.items():
                     if run.stored and not run.done and response_id not in held:
                         log.info("response %s: no longer ours (cancelled, deleted or taken over)", response_id)
                         run.stop()

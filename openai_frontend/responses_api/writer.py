@@ -1,7 +1,8 @@
 """The frontend's one writer to the response store: what every run produced since the last commit goes in
 one transaction (group commit), and each run hears when its events are durable.
 
-Under more load a commit carries more events, so the store costs per token fall as streams are added.
+Under more load a commit carries more events, so the store costs per token fall as streams are added; a
+commit waits a few milliseconds at most for the rest of a burst (one engine step's outputs) to join it.
 A commit that fails (the store unreachable) is retried with the next batch joined to it, in order, so a
 run's events are stored in sequence or not at all.
 """
@@ -30,6 +31,7 @@ class _Write:
 
 class StoreWriter:
     RETRY_S = (0.05, 0.2, 1.0)
+    GATHER_S = 0.004  # the longest a write waits for others to join its commit
 
     def __init__(self, store: ResponseStore, owner: str) -> None:
         self._store = store
@@ -61,12 +63,25 @@ class StoreWriter:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
+    async def _gather(self) -> None:
+        """Let the rest of a burst arrive before committing: an engine step's outputs reach the frontend one
+        gRPC message at a time, and one commit for all of them costs a fraction of one commit each."""
+        deadline = asyncio.get_running_loop().time() + self.GATHER_S
+        while True:
+            pending = len(self._pending)
+            await asyncio.sleep(0)
+            if len(self._pending) == pending:
+                await asyncio.sleep(self.GATHER_S / 4)
+                if len(self._pending) == pending or asyncio.get_running_loop().time() >= deadline:
+                    return
+
     async def _loop(self) -> None:
         failures = 0
         batch: list[_Write] = []
         while True:
             if not batch:
                 await self._wake.wait()
+                await self._gather()
             self._wake.clear()
             batch, self._pending = batch + self._pending, []
             events = [e for w in batch for e in w.events]
