@@ -73,6 +73,8 @@ class ResponsesService:
         this one restarted) continues the background responses."""
         for task in self._tasks:
             task.cancel()
+        # (awaited before the store closes: a sweep cut off by closing its connection under it never ends)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.hand_over()
         for run in list(self._runs.values()):
             run.stop()
