@@ -100,6 +100,8 @@ class PostgresServer:
         if self._user is not None:
             os.chown(self.data_dir, self._user.pw_uid, self._user.pw_gid)
             ensure_prefix_permissions(self.data_dir)
+            # The binaries live in the venv, whose checkout may be a folder only root can enter (mktemp -d).
+            ensure_prefix_permissions(POSTGRES_BIN_PATH)
             read, execute = 0o044, 0o011  # (group and others)
             ensure_folder_permissions(POSTGRES_BIN_PATH, read | execute)
             ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", read)
