@@ -106,15 +106,6 @@ class Run:
         self._abandoned = True
         self.stop()
 
-    async def cancel(self) -> dict[str, Any]:
-        """A cancel by this run's own client or by the API: stops it and stores status cancelled (unless it
-        finished first). Returns the response object as it ends."""
-        if self.done:
-            return self.builder.response
-        self.stop()
-        await self.wait()
-        return self.builder.response
-
     async def wait(self) -> None:
         await self._ended.wait()
 
