@@ -385,7 +385,9 @@ def bench_servers(args) -> Iterator[Servers]:
         for name, store in (("sqlite", None), ("pg", url), ("pg2", url)):
             state = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"frontend-state-{name}-"))
             extra = ["--state-dir", state] + ([] if store is None else ["--response-store", store])
-            frontend = Frontend(triton.grpc_url, port=free_port(), extra_args=extra)
+            frontend = Frontend(
+                triton.grpc_url, port=free_port(), extra_args=extra, tree=args.frontend_tree or REPO_ROOT
+            )
             frontend.start(log_path=logs / f"frontend-responses-{name}.log")
             stack.callback(frontend.stop)
             frontends[name] = frontend
@@ -681,6 +683,11 @@ def main() -> None:
     parser.add_argument("--resume-min-events", type=int, default=24, help="committed events before reconnects start")
     parser.add_argument("--pg-no-fsync", action="store_true", help="PostgreSQL without fsync (default: durable)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--frontend-tree", type=Path, metavar="DIR",
+        help="the checkout whose openai_frontend the frontends run (default: this one), e.g. a git worktree of "
+        "another revision, for a before / after on the same tritonserver build",
+    )  # fmt: skip
     parser.add_argument(
         "--py-spy", type=Path, metavar="DIR", help="record each frontend's first CPU phases (collapsed stacks) into DIR"
     )

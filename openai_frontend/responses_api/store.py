@@ -7,6 +7,12 @@ writing transaction begins IMMEDIATE: it takes the database's one write lock bef
 holds when it writes (a deferred one would fail, whatever the busy timeout, once another connection wrote meanwhile).
 A read is one statement, run without BEGIN and COMMIT on both databases (their round trips would double its cost).
 
+The owner's commits (events and status changes, many a second) bypass SQLAlchemy: each is one round trip. On
+PostgreSQL it is one statement on a connection the store holds for them (lock the rows, insert the events that their
+owner may write, apply the changes, return what it locked); on SQLite the whole transaction is one call on a thread
+that owns its own sqlite3 connection, so the event loop wakes once per commit (aiosqlite wakes it at every statement).
+A response's last sequence number is read from its events (max), so a commit writes no more than the events.
+
 A finished response has neither owner nor lease, so a lookup by owner (renew) or by lease (the sweeps) reaches only
 unfinished ones through its index, however many finished ones are kept.
 """
@@ -17,15 +23,17 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import asyncpg
 import sqlalchemy as sa
 from sqlalchemy import exc
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -58,8 +66,9 @@ class StoredResponse:
     last_sequence_number: int  # of its stored events; -1 when none
 
 
-@dataclass(frozen=True, slots=True)
-class StoredEvent:
+class StoredEvent(NamedTuple):
+    """One stream event. A tuple: a commit's list of them is the drivers' rows as it is (no copy per event)."""
+
     response_id: str
     sequence_number: int
     type: str  # e.g. "response.output_text.delta"
@@ -89,6 +98,7 @@ responses = sa.Table(
     sa.Column("request", sa.Text, nullable=False),
     sa.Column("input_items", sa.Text, nullable=False),
     sa.Column("response", sa.Text, nullable=False),
+    # (-1 at create and not kept up: StoredResponse.last_sequence_number is read from the events)
     sa.Column("last_sequence_number", sa.Integer, nullable=False),
     sa.Index("responses_lease_until", "lease_until"),
     sa.Index("responses_owner", "owner"),
@@ -117,10 +127,30 @@ def _create_tables(conn: sa.Connection) -> None:
 MIGRATIONS: list[Callable[[sa.Connection], None]] = [_create_tables]
 
 _unfinished = responses.c.status.not_in(_SORTED_TERMINAL)
-# (not the caller's fault, so not a 503: a bug of ours or of the caller, raised as it is)
-_CALLER_ERRORS = (exc.IntegrityError, exc.ProgrammingError, exc.DataError, exc.NotSupportedError)
+# (not the caller's fault, so not a 503: a bug of ours or of the caller, raised as it is; the drivers' own classes
+# come from the commits, which call the drivers directly)
+_CALLER_ERRORS = (
+    exc.IntegrityError, exc.ProgrammingError, exc.DataError, exc.NotSupportedError,
+    sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.DataError, sqlite3.NotSupportedError,
+    asyncpg.IntegrityConstraintViolationError, asyncpg.DataError, asyncpg.SyntaxOrAccessError,
+    asyncpg.FeatureNotSupportedError,
+)  # fmt: skip
 # (TimeoutError is asyncio's too; OSError is how a refused or unresolvable connection surfaces)
-_UNAVAILABLE_ERRORS = (exc.DBAPIError, exc.TimeoutError, OSError, TimeoutError)
+_UNAVAILABLE_ERRORS = (
+    exc.DBAPIError, exc.TimeoutError, OSError, TimeoutError, sqlite3.Error, asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)  # fmt: skip
+_e = response_events.c
+# A response's last sequence number, -1 before its first event (one step down the events' primary key).
+_last_sequence_number = (
+    sa.select(sa.func.coalesce(sa.func.max(_e.sequence_number), -1))
+    .where(_e.response_id == responses.c.id)
+    .correlate(responses)
+    .scalar_subquery()
+    .label("last_sequence_number")
+)
+# (every column of a response as StoredResponse reads it)
+_RESPONSE = [c for c in responses.c if c.name != "last_sequence_number"] + [_last_sequence_number]
 _BEGIN = "response_store_begin"  # the execution option that says how a SQLite transaction begins (reads: none)
 
 
@@ -141,6 +171,9 @@ class ResponseStore:
             self._writes, self._reads = engine, engine.execution_options(isolation_level="AUTOCOMMIT")
         self._engine: AsyncEngine = engine
         self._opened = False
+        self._commit_lock = asyncio.Lock()  # (one commit at a time on the commits' connection)
+        self._commit_conn: tuple[AsyncConnection, asyncpg.Connection] | None = None  # PostgreSQL's, when open
+        self._sqlite_thread = _SqliteThread(self._url.database or "") if self._sqlite else None
         self._open_lock = asyncio.Lock()
         self._open_attempts = 0
         self._open_failure: StoreUnavailable | None = None
@@ -163,6 +196,12 @@ class ResponseStore:
         await self._open(retry=True)
 
     async def close(self) -> None:
+        if self._sqlite_thread is not None:
+            await self._sqlite_thread.close()
+        if self._commit_conn is not None:
+            conn, self._commit_conn = self._commit_conn[0], None
+            with contextlib.suppress(*_UNAVAILABLE_ERRORS):
+                await conn.close()
         await self._engine.dispose()
 
     async def _open(self, *, retry: bool) -> None:
@@ -228,7 +267,7 @@ class ResponseStore:
     async def get(self, response_id: str) -> StoredResponse | None:
         """None if absent or past its TTL."""
         async with self._transaction() as conn:
-            row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).first()
+            row = (await conn.execute(sa.select(*_RESPONSE).where(responses.c.id == response_id))).first()
         return _stored(row) if row is not None and self._live(row.created_at, time.time()) else None
 
     async def delete(self, response_id: str) -> bool:
@@ -257,7 +296,7 @@ class ResponseStore:
         """Compare-and-set: if not terminal, status -> cancelled, response JSON -> response(old response JSON),
         owner/lease cleared. Returns (row after, whether this call cancelled it); (None, False) if absent."""
         async with self._transaction(write=True) as conn:
-            query = sa.select(responses).where(responses.c.id == response_id).with_for_update()
+            query = sa.select(*_RESPONSE).where(responses.c.id == response_id).with_for_update(of=responses)
             row = (await conn.execute(query)).first()
             if row is None or not self._live(row.created_at, time.time()):
                 return None, False
@@ -276,10 +315,10 @@ class ResponseStore:
     async def commit(
         self, events: Sequence[StoredEvent], changes: Sequence[StatusChange], *, owner: str | None = None
     ) -> set[str]:
-        """ONE transaction: insert the events, then apply the status changes (each only while the row is unfinished
-        and its owner is the change's; a terminal status also clears owner and lease). Returns the ids of the
-        responses whose changes or events were not applied (cancelled, taken over or deleted meanwhile), so that
-        their runs stop.
+        """ONE transaction, one round trip: insert the events, then apply the status changes (each only while the row
+        is unfinished and its owner is the change's; a terminal status also clears owner and lease). Returns the ids
+        of the responses whose changes or events were not applied (cancelled, taken over or deleted meanwhile), so
+        that their runs stop.
 
         Events go in only for responses that exist and are unfinished, and held by `owner` when it is given (the
         frontend's instance id: then a run that another frontend took over cannot write events). The same commit
@@ -288,72 +327,33 @@ class ResponseStore:
         response, the last one says whether it is refused."""
         if not events and not changes:
             return set()
-        ids = sorted({e.response_id for e in events} | {c.response_id for c in changes})
-        r = responses.c
-        async with self._transaction(write=True) as conn:
-            query = sa.select(r.id, r.status, r.owner).where(r.id.in_(ids)).order_by(r.id).with_for_update()
-            state: dict[str, tuple[str, str | None]] = {
-                row.id: (row.status, row.owner) for row in await conn.execute(query)
-            }
-            writable = {
-                i for i, (status, holder) in state.items() if status not in TERMINAL and owner in (None, holder)
-            }
-            dropped = {e.response_id for e in events} - writable
-            kept = [e for e in events if e.response_id in writable]
-            if kept:
-                await self._insert_events(conn, kept)
-            applied: dict[str, StatusChange] = {}
-            took: dict[str, bool] = {}  # whether each response's last change took effect (the one that counts)
-            for change in changes:
-                status, holder = state.get(change.response_id, (None, None))
-                if status is not None and status not in TERMINAL and holder == change.owner:
-                    applied[change.response_id] = change
-                    state[change.response_id] = (change.status, None if change.status in TERMINAL else holder)
-                    took[change.response_id] = True
-                else:  # (a finished row's own status again: this commit retried after its first try committed)
-                    took[change.response_id] = status in TERMINAL and status == change.status
-            await self._apply(conn, list(applied.values()))
-        return {i for i, ok in took.items() if not ok} | (dropped - took.keys())
+        batch = _Batch(events, changes)
+        await self._open(retry=False)
+        async with self._errors_mapped(), self._commit_lock:
+            if self._sqlite_thread is not None:
+                held = await self._sqlite_thread.call(_sqlite_commit, batch, owner)
+            else:
+                held = await self._pg_commit(batch, owner)
+        return batch.refused(held, owner)
 
-    async def _insert_events(self, conn: AsyncConnection, events: Sequence[StoredEvent]) -> None:
-        dialect = sqlite if self._sqlite else postgresql
-        insert = dialect.insert(response_events).on_conflict_do_nothing(
-            index_elements=["response_id", "sequence_number"]
-        )
-        rows = [
-            {"response_id": e.response_id, "sequence_number": e.sequence_number, "type": e.type, "data": e.data}
-            for e in events
-        ]
-        await conn.execute(insert, rows)  # (one executemany)
-        last: dict[str, int] = {}
-        for e in events:
-            last[e.response_id] = max(last.get(e.response_id, -1), e.sequence_number)
-        seq, new = responses.c.last_sequence_number, sa.bindparam("last", type_=sa.Integer)
-        update = (
-            responses.update()
-            .where(responses.c.id == sa.bindparam("rid"))
-            .values(last_sequence_number=sa.case((seq < new, new), else_=seq))
-        )
-        await conn.execute(update, [{"rid": i, "last": n} for i, n in last.items()])
-
-    async def _apply(self, conn: AsyncConnection, changes: list[StatusChange]) -> None:
-        where = responses.c.id == sa.bindparam("rid")
-        finished = [c for c in changes if c.status in TERMINAL]
-        running = [c for c in changes if c.status not in TERMINAL]
-        for group, values in (
-            (finished, {"owner": None, "lease_until": None}),
-            (running, {}),
-        ):
-            if group:
-                update = (
-                    responses.update()
-                    .where(where)
-                    .values(status=sa.bindparam("new_status"), response=sa.bindparam("new_response"), **values)
-                )
-                params = [
-                    {"rid": c.response_id, "new_status": c.status, "new_response": _json(c.response)} for c in group
-                ]
-                await conn.execute(update, params)
+    async def _pg_commit(self, batch: _Batch, owner: str | None) -> dict[str, tuple[str, str | None]]:
+        if self._commit_conn is None:
+            conn = await self._writes.connect()
+            try:
+                self._commit_conn = conn, (await conn.get_raw_connection()).driver_connection
+            except BaseException:
+                await conn.close()
+                raise
+        conn, driver = self._commit_conn
+        try:
+            rows = await driver.fetch(_PG_COMMIT, *batch.pg_arguments(owner))
+        except BaseException:  # (its state unknown, this connection is not used again)
+            self._commit_conn = None
+            with contextlib.suppress(*_UNAVAILABLE_ERRORS):
+                await conn.invalidate()
+                await conn.close()
+            raise
+        return {rid: (status, holder) for rid, status, holder in rows}
 
     async def renew(self, owner: str, lease_until: float) -> set[str]:
         """One UPDATE: extend the leases of every unfinished response this owner holds. Returns their ids (the
@@ -374,7 +374,7 @@ class ResponseStore:
         async with self._transaction(write=True) as conn:
             for orphan in await self._orphans(conn, now, background=True, limit=limit):
                 values = {"owner": owner, "lease_until": lease_until}
-                row = (await conn.execute(_unchanged(orphan).values(values).returning(*responses.c))).first()
+                row = (await conn.execute(_unchanged(orphan).values(values).returning(*_RESPONSE))).first()
                 if row is not None:
                     claimed.append(_stored(row))
         return claimed
@@ -438,6 +438,178 @@ class ResponseStore:
         if deleted:
             await conn.execute(response_events.delete().where(response_events.c.response_id.in_(sorted(deleted))))
         return deleted
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What a response's changes in one commit come to, if its row is unfinished and held by the changes' owner."""
+
+    final: StatusChange | None  # the change the row ends with (None: none applies)
+    took: bool  # whether the last of its changes counts as applied
+
+
+class _Batch:
+    """One commit's events and status changes, prepared once for either database; `refused` reads what it did
+    from the rows it locked, as they were before it wrote."""
+
+    def __init__(self, events: Sequence[StoredEvent], changes: Sequence[StatusChange]) -> None:
+        self.events = events
+        self.event_ids = {e.response_id for e in events}
+        by_response: dict[str, list[StatusChange]] = {}
+        for c in changes:
+            by_response.setdefault(c.response_id, []).append(c)
+        self.ids = sorted(self.event_ids | by_response.keys())  # (the locking order)
+        # Changes apply in order while their owner holds the row, up to the first terminal one. The holder is
+        # known only once the row is locked, so the outcome is prepared for each owner that a change names.
+        self.outcomes: dict[tuple[str, str], _Outcome] = {}
+        self.last_status = {rid: cs[-1].status for rid, cs in by_response.items()}
+        for rid, cs in by_response.items():
+            for holder in {c.owner for c in cs}:
+                final, finished = None, None
+                for c in cs:
+                    if finished is None and c.owner == holder:
+                        final, finished = c, (c.status if c.status in TERMINAL else None)
+                took = final is cs[-1] or (finished is not None and finished == cs[-1].status)
+                self.outcomes[rid, holder] = _Outcome(final, took)
+
+    def writable(self, held: dict[str, tuple[str, str | None]], owner: str | None) -> set[str]:
+        """The responses whose events go in: there, unfinished, and held by `owner` (when given)."""
+        return {
+            rid for rid in self.event_ids
+            if (state := held.get(rid)) is not None and state[0] not in TERMINAL and owner in (None, state[1])
+        }  # fmt: skip
+
+    def applied(self, held: dict[str, tuple[str, str | None]]) -> list[StatusChange]:
+        """The change each unfinished row ends with, given its holder."""
+        out = []
+        for rid, (status, holder) in held.items():
+            outcome = self.outcomes.get((rid, holder)) if status not in TERMINAL and holder is not None else None
+            if outcome is not None and outcome.final is not None:
+                out.append(outcome.final)
+        return out
+
+    def refused(self, held: dict[str, tuple[str, str | None]], owner: str | None) -> set[str]:
+        refused = set()
+        for rid, last in self.last_status.items():
+            status, holder = held.get(rid, (None, None))
+            if status is not None and status not in TERMINAL:
+                outcome = self.outcomes.get((rid, holder)) if holder is not None else None
+                took = outcome is not None and outcome.took
+            else:  # (a finished row's own status again: this commit retried after its first try committed)
+                took = status is not None and status == last
+            if not took:
+                refused.add(rid)
+        return refused | (self.event_ids - self.writable(held, owner) - self.last_status.keys())
+
+    def pg_arguments(self, owner: str | None) -> tuple[Any, ...]:
+        """$1 .. $11 of _PG_COMMIT: the ids, the owner, the events' columns, then every prepared outcome's change
+        with the holder it is for."""
+        columns = list(zip(*self.events, strict=True)) if self.events else [(), (), (), ()]
+        finals = [(holder, o.final) for (_, holder), o in self.outcomes.items() if o.final is not None]
+        return (
+            self.ids,
+            owner,
+            *columns,
+            [c.response_id for _, c in finals],
+            [holder for holder, _ in finals],
+            [c.status for _, c in finals],
+            [_json(c.response) for _, c in finals],
+            [c.status in TERMINAL for _, c in finals],
+        )
+
+
+_TERMINAL_SQL = ", ".join(f"'{s}'" for s in _SORTED_TERMINAL)
+# One statement, its own transaction. `held` locks the rows in id order and reads them as they are once locked (under
+# READ COMMITTED a row another transaction changed meanwhile is read again, as that one committed it); the events go
+# in for the rows their owner may write, each change where its holder holds the row; the caller gets `held`.
+_PG_COMMIT = f"""
+WITH held AS (
+    SELECT id, status, owner FROM responses WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
+), stored AS (
+    INSERT INTO response_events (response_id, sequence_number, type, data)
+    SELECT e.response_id, e.sequence_number, e.type, e.data
+    FROM unnest($3::text[], $4::int[], $5::text[], $6::text[]) AS e(response_id, sequence_number, type, data)
+    JOIN held AS h ON h.id = e.response_id
+    WHERE h.status NOT IN ({_TERMINAL_SQL}) AND ($2::text IS NULL OR h.owner = $2::text)
+    ON CONFLICT DO NOTHING
+), changed AS (
+    UPDATE responses AS r
+    SET status = c.status, response = c.response,
+        owner = CASE WHEN c.finished THEN NULL ELSE r.owner END,
+        lease_until = CASE WHEN c.finished THEN NULL ELSE r.lease_until END
+    FROM unnest($7::text[], $8::text[], $9::text[], $10::text[], $11::bool[])
+        AS c(response_id, holder, status, response, finished)
+    JOIN held AS h ON h.id = c.response_id
+    WHERE r.id = c.response_id AND h.owner = c.holder AND h.status NOT IN ({_TERMINAL_SQL})
+)
+SELECT id, status, owner FROM held
+"""
+
+_SQLITE_HELD = "SELECT id, status, owner FROM responses WHERE id IN (SELECT value FROM json_each(?))"
+_SQLITE_INSERT = "INSERT OR IGNORE INTO response_events (response_id, sequence_number, type, data) VALUES (?, ?, ?, ?)"
+_SQLITE_CHANGE = (
+    "UPDATE responses SET status = ?, response = ?, owner = CASE WHEN ? THEN NULL ELSE owner END, "
+    "lease_until = CASE WHEN ? THEN NULL ELSE lease_until END WHERE id = ?"
+)
+
+
+def _sqlite_commit(conn: sqlite3.Connection, batch: _Batch, owner: str | None) -> dict[str, tuple[str, str | None]]:
+    """The whole transaction of a commit, on the SQLite thread. Returns the rows it locked, as they were."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        held = {rid: (status, holder) for rid, status, holder in conn.execute(_SQLITE_HELD, (_json(batch.ids),))}
+        writable = batch.writable(held, owner)
+        if writable == batch.event_ids:
+            conn.executemany(_SQLITE_INSERT, batch.events)
+        elif writable:
+            conn.executemany(_SQLITE_INSERT, [e for e in batch.events if e.response_id in writable])
+        params = []
+        for c in batch.applied(held):
+            finished = c.status in TERMINAL
+            params.append((c.status, _json(c.response), finished, finished, c.response_id))
+        if params:
+            conn.executemany(_SQLITE_CHANGE, params)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return held
+
+
+class _SqliteThread:
+    """One thread with its own sqlite3 connection, which runs each commit's whole transaction as one call."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._executor: ThreadPoolExecutor | None = None
+        self._conn: sqlite3.Connection | None = None  # (used by the thread only)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="response-store-commits")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
+
+    async def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(executor, self._disconnect)
+            executor.shutdown()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self._conn is None:
+            self._conn = sqlite3.connect(self._path, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+        try:
+            return fn(self._conn, *args)
+        except sqlite3.Error:  # (a connection an I/O error left behind is not trusted again)
+            self._disconnect()
+            raise
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 def _unchanged(orphan: sa.Row) -> sa.Update:

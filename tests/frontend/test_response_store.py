@@ -22,6 +22,7 @@ from openai_frontend.responses_api.store import (
     StoredEvent,
     StoredResponse,
     StoreUnavailable,
+    responses,
     schema_version,
 )
 
@@ -171,6 +172,70 @@ async def test_commit_retried_after_it_committed_changes_nothing(store: Response
     assert await store.commit(batch, changes, owner="frontend-a") == set()
     assert await store.get("resp_1") == before
     assert len(await store.events_after("resp_1", -1)) == 3
+
+
+async def test_commit_applies_only_the_changes_of_the_rows_holder(store: ResponseStore) -> None:
+    await store.create(record("resp_1"))
+    await store.create(record("resp_2"))
+    mixed = [change("resp_1", "in_progress"), change("resp_1", "failed", owner="frontend-b")]
+    mixed += [change("resp_1", "completed"), change("resp_2", "completed", owner="frontend-b")]
+    assert await store.commit([], mixed) == {"resp_2"}
+    assert (await store.get("resp_1")).status == "completed"
+    assert (await store.get("resp_2")).status == "in_progress"
+
+
+async def test_an_owner_whose_lease_was_taken_over_writes_nothing(url: str, store: ResponseStore) -> None:
+    now = time.time()
+    await store.create(record("resp_1", background=True, lease_until=now - 1))
+    assert await store.commit(events("resp_1", range(3)), [], owner="frontend-a") == set()
+    async with opened(url) as other:
+        (claimed,) = await other.claim_orphans("frontend-b", now, now + 30)
+    assert (claimed.owner, claimed.last_sequence_number) == ("frontend-b", 2)
+    late = events("resp_1", range(3, 5))
+    assert await store.commit(late, [], owner="frontend-a") == {"resp_1"}
+    assert await store.commit(late, [change("resp_1", "completed")], owner="frontend-a") == {"resp_1"}
+    row = await store.get("resp_1")
+    assert (row.status, row.owner, row.last_sequence_number) == ("in_progress", "frontend-b", 2)
+    assert [e.sequence_number for e in await store.events_after("resp_1", -1)] == [0, 1, 2]
+
+
+async def test_a_commit_waiting_on_a_takeover_sees_it(url: str, store: ResponseStore) -> None:
+    """The commit reads the owner once it holds the row (PostgreSQL: its row lock; SQLite: the write lock), not
+    before: a takeover that commits while the commit waits refuses it."""
+    await store.create(record("resp_1"))
+    async with opened(url) as other:
+        async with other._writes.begin() as conn:  # (a takeover, its transaction held open)
+            taken = sa.update(responses).where(responses.c.id == "resp_1").values(owner="frontend-b")
+            await conn.execute(taken)
+            commit = asyncio.create_task(store.commit(events("resp_1", range(2)), [], owner="frontend-a"))
+            await asyncio.sleep(0.3)
+            assert not commit.done()
+        assert await commit == {"resp_1"}
+    assert await store.events_after("resp_1", -1) == []
+
+
+async def test_a_commit_is_one_round_trip(kind: str, store: ResponseStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of any size: SQLite's wakes the event loop once (its whole transaction is one call on the store's thread;
+    aiosqlite would wake it at each statement), PostgreSQL's is one statement on the store's connection."""
+    ids = [f"resp_{i}" for i in range(8)]
+    for response_id in ids:
+        await store.create(record(response_id, status="queued"))
+    await store.commit(events("resp_0", range(1)), [], owner="frontend-a")  # (the commits' connection opens)
+    calls: list[Any] = []
+    if kind == "sqlite":
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a, **k: (calls.append(a), wake(*a, **k))[1])
+    else:
+        store._commit_conn[1].add_query_logger(calls.append)
+    batch = [e for i in ids for e in events(i, range(1, 17))]
+    changes = [change(i, "in_progress") for i in ids] + [change("resp_7", "completed")]
+    assert await store.commit(batch, changes, owner="frontend-a") == set()
+    monkeypatch.undo()
+    await asyncio.sleep(0)  # (asyncpg calls its query loggers soon after, not at once)
+    assert len(calls) == 1
+    assert (await store.get("resp_7")).status == "completed"
+    assert [(await store.get(i)).last_sequence_number for i in ids] == [16] * len(ids)
 
 
 async def test_cancel_is_a_compare_and_set(store: ResponseStore) -> None:
