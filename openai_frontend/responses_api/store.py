@@ -261,8 +261,19 @@ class ResponseStore:
     # -- one response -------------------------------------------------------------------------------
 
     async def create(self, r: StoredResponse) -> None:
-        async with self._transaction(write=True) as conn:
-            await conn.execute(responses.insert().values(_row(r)))
+        """One statement, one round trip, as a commit is (on a pooled connection: creates run side by side)."""
+        values = _values(r)
+        await self._open(retry=False)
+        async with self._errors_mapped():
+            if self._sqlite_thread is not None:
+                await self._sqlite_thread.call(sqlite3.Connection.execute, _INSERT_RESPONSE, values)
+                return
+            async with self._writes.connect() as conn:
+                try:
+                    await (await conn.get_raw_connection()).driver_connection.execute(_INSERT_RESPONSE_PG, *values)
+                except BaseException:  # (its state unknown, this connection is not used again)
+                    await conn.invalidate()
+                    raise
 
     async def get(self, response_id: str) -> StoredResponse | None:
         """None if absent or past its TTL."""
@@ -545,6 +556,11 @@ WITH held AS (
 SELECT id, status, owner FROM held
 """
 
+_COLUMNS = ", ".join(c.name for c in responses.c)
+_INSERT_RESPONSE = f"INSERT INTO responses ({_COLUMNS}) VALUES ({', '.join('?' * len(responses.c))})"
+_INSERT_RESPONSE_PG = (
+    f"INSERT INTO responses ({_COLUMNS}) VALUES ({', '.join(f'${i + 1}' for i in range(len(responses.c)))})"
+)
 _SQLITE_HELD = "SELECT id, status, owner FROM responses WHERE id IN (SELECT value FROM json_each(?))"
 _SQLITE_INSERT = "INSERT OR IGNORE INTO response_events (response_id, sequence_number, type, data) VALUES (?, ?, ?, ?)"
 _SQLITE_CHANGE = (
@@ -602,8 +618,9 @@ class _SqliteThread:
             self._conn.execute("PRAGMA journal_mode=WAL")
         try:
             return fn(self._conn, *args)
-        except sqlite3.Error:  # (a connection an I/O error left behind is not trusted again)
-            self._disconnect()
+        except sqlite3.Error as e:
+            if not isinstance(e, _CALLER_ERRORS):  # (a connection an I/O error left behind is not trusted again)
+                self._disconnect()
             raise
 
     def _disconnect(self) -> None:
@@ -652,20 +669,21 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _row(r: StoredResponse) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "created_at": r.created_at,
-        "status": r.status,
-        "background": r.background,
-        "owner": r.owner,
-        "lease_until": r.lease_until,
-        "previous_response_id": r.previous_response_id,
-        "request": _json(r.request),
-        "input_items": _json(r.input_items),
-        "response": _json(r.response),
-        "last_sequence_number": r.last_sequence_number,
-    }
+def _values(r: StoredResponse) -> tuple[Any, ...]:
+    """Its row, in the order of the responses table's columns."""
+    return (
+        r.id,
+        r.created_at,
+        r.status,
+        r.background,
+        r.owner,
+        r.lease_until,
+        r.previous_response_id,
+        _json(r.request),
+        _json(r.input_items),
+        _json(r.response),
+        r.last_sequence_number,
+    )
 
 
 def _stored(row: sa.Row) -> StoredResponse:
