@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
+import psutil
 import pytest
 import torch
 
 from backend.grammar_compiler import GrammarBudget, StructuredOutputCompiler
 from backend.grammar_limits import check_limits
 from backend.sampler import Sampler, SamplingRow
-from backend.structured_output import TokenBitmask
+from backend.structured_output import TokenBitmask, build_grammar
 from protocol import (
     EngineOverloaded,
     FinishReason,
@@ -368,35 +374,51 @@ def make_compiler(**budget) -> StructuredOutputCompiler:
     return StructuredOutputCompiler(tok, tok.vocab_size, tuple(tok.eos_token_ids), GrammarBudget(**budget))
 
 
-class GatedCompiles:
-    """xgrammar's compiler, except that compiles `blocks(lane, grammar)` picks wait for `release`."""
+@pytest.fixture
+def compilers():
+    """Makes compilers (`compilers(**budget)`) and closes them at the end, so that no worker outlives its test."""
+    made: list[StructuredOutputCompiler] = []
 
-    def __init__(self, compiler: StructuredOutputCompiler, blocks) -> None:
-        self._real = compiler._make_compiler()
-        self._blocks = blocks
-        self.release = threading.Event()
+    def make(**budget) -> StructuredOutputCompiler:
+        compiler = make_compiler(**budget)
+        made.append(compiler)
+        return compiler
 
-    def compile_grammar(self, grammar):
-        lane = threading.current_thread().name.removeprefix("grammar-compile-")
-        if self._blocks(lane, grammar):
-            assert self.release.wait(60)
-        return self._real.compile_grammar(grammar)
+    yield make
+    for compiler in made:
+        compiler.close()
+
+
+class Gate:
+    """Compiles whose constraint holds `mark` wait in their worker (tests/backend/gated_grammar_worker.py)
+    until `release`."""
+
+    def __init__(self, release_file) -> None:
+        self._release_file = release_file
+
+    def release(self) -> None:
+        self._release_file.touch()
 
 
 @pytest.fixture
-def gate():
-    """Installs a GatedCompiles on a compiler; released at the end so no compile thread outlives the test."""
-    gates: list[GatedCompiles] = []
+def gate(monkeypatch, tmp_path):
+    """`gate(compiler, mark)`: the compiler's workers (started here) hold the trials of constraints holding
+    `mark` until the test releases them; released and closed at the end."""
+    release_file = tmp_path / "release"
 
-    def install(compiler: StructuredOutputCompiler, blocks) -> GatedCompiles:
-        gated = GatedCompiles(compiler, blocks)
-        compiler._grammar_compiler = lambda: gated  # the xgrammar boundary
-        gates.append(gated)
-        return gated
+    def install(compiler: StructuredOutputCompiler, mark: str) -> Gate:
+        monkeypatch.setenv("GRAMMAR_GATE_MARK", mark)
+        monkeypatch.setenv("GRAMMAR_GATE_RELEASE", str(release_file))
+        compiler._worker_module = "tests.backend.gated_grammar_worker"  # the process boundary
+        compiler.warm_up()
+        gated.append(compiler)
+        return Gate(release_file)
 
+    gated: list[StructuredOutputCompiler] = []
     yield install
-    for gated in gates:
-        gated.release.set()
+    release_file.touch()
+    for compiler in gated:
+        compiler.close()
 
 
 def wait_until(condition, timeout_s: float = 120.0) -> None:
@@ -406,9 +428,16 @@ def wait_until(condition, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_a_big_compile_never_delays_a_small_one_and_a_full_big_lane_refuses_at_once(gate):
     compiler = make_compiler(timeout_s=60)
-    gated = gate(compiler, lambda lane, grammar: lane == "big")
+    gated = gate(compiler, "first")
     big = StructuredOutputs(json=json.dumps(big_but_cheap("first")))
     compiler.check(big)
     slow = compiler.compiled(big)
@@ -420,64 +449,101 @@ def test_a_big_compile_never_delays_a_small_one_and_a_full_big_lane_refuses_at_o
     with pytest.raises(EngineOverloaded) as e:  # at once, not queued behind the running compile
         compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("second"))))
     assert e.value.param == "structured_outputs.json" and e.value.code == "overloaded"
-    gated.release.set()
+    gated.release()
     assert slow.result(timeout=30) is not None
     compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("second"))))  # the lane is free again
 
 
-def test_a_grammar_past_its_time_budget_is_refused_dropped_and_refused_again_at_once():
-    compiler = make_compiler(timeout_s=0.2)
-    # Optional properties compile in time quadratic in their number: this one takes about a second.
-    spec = StructuredOutputs(json=json.dumps(properties(1000)))
+def test_a_compile_past_its_time_budget_is_killed_refused_and_refused_again_at_once(compilers):
+    compiler = compilers(timeout_s=0.5)
+    compiler.warm_up()
+    (big_worker,) = compiler.stats().big_lane_workers
+    # Optional properties compile in time quadratic in their number: this one takes seconds.
+    spec = StructuredOutputs(json=json.dumps(properties(5000)))
+    compiler.check(spec)  # (xgrammar's parse alone takes a while)
     started = time.monotonic()
-    compiler.check(spec)
+    slow = compiler.compiled(spec)
+    small = StructuredOutputs(regex=r"[0-9]{2}x")
+    compiler.check(small)
+    assert compiler.compiled(small).result(timeout=30) is not None and not slow.done()  # answered meanwhile
     with pytest.raises(InvalidRequestError) as e:
-        compiler.compiled(spec).result(timeout=30)
-    assert time.monotonic() - started < 0.2 + 3
+        slow.result(timeout=30)
+    assert time.monotonic() - started < 0.5 + 3
     assert e.value.param == "structured_outputs.json" and "too complex to compile in time" in e.value.message
-    wait_until(lambda: compiler.stats().big_lane_running == 0)  # xgrammar ran on to its end...
-    assert compiler.stats().cached_grammars == 0 and compiler.stats().cached_bytes == 0  # ...for nothing
+    # The worker that compiled it is gone, and its memory with it; the lane's seat is free and a new
+    # worker has it.
+    wait_until(lambda: gone(big_worker) and compiler.stats().big_lane_running == 0, timeout_s=5)
+    wait_until(lambda: len(compiler.stats().big_lane_workers) == 1)
+    assert compiler.stats().big_lane_workers != (big_worker,)
+    assert compiler.stats().cached_grammars == 1  # the small one
+    assert compiler._compiler is not None  # (the small one was compiled here; the killed one never was)
     with pytest.raises(InvalidRequestError) as again:
         compiler.check(spec)
     assert again.value.message == e.value.message
+    other = StructuredOutputs(json=json.dumps(big_but_cheap("after")))  # the new worker compiles
+    compiler.check(other)
+    assert compiler.compiled(other).result(timeout=30) is not None
 
 
-def test_a_short_constraint_past_its_time_moves_to_the_big_lane(gate):
+def test_a_short_constraint_past_its_time_is_killed_and_frees_its_seat(gate):
     compiler = make_compiler(timeout_s=0.3)
-    gated = gate(compiler, lambda lane, grammar: "[q-z]" in str(grammar))
+    gated = gate(compiler, "[q-z]")
+    small_workers = compiler.stats().small_lane_workers
     slow = StructuredOutputs(regex="[q-z]{3}")
     compiler.check(slow)
     with pytest.raises(InvalidRequestError) as e:
         compiler.compiled(slow).result(timeout=30)
     assert e.value.param == "structured_outputs.regex"
-    stats = compiler.stats()
-    assert (stats.small_lane_running, stats.big_lane_running) == (0, 1)  # still compiling, now as a big one
+    wait_until(lambda: compiler.stats().small_lane_running == 0, timeout_s=5)
+    killed = [pid for pid in small_workers if gone(pid)]
+    assert len(killed) == 1
     quick = StructuredOutputs(regex="[a-c]{3}")
     compiler.check(quick)
     assert compiler.compiled(quick).result(timeout=30) is not None
-    with pytest.raises(EngineOverloaded):
-        compiler.check(StructuredOutputs(json=json.dumps(big_but_cheap("other"))))
-    gated.release.set()
-    wait_until(lambda: compiler.stats().big_lane_running == 0)
-    assert compiler.stats().cached_grammars == 1  # the quick one; the slow one's grammar was dropped
+    big = StructuredOutputs(json=json.dumps(big_but_cheap("other")))
+    compiler.check(big)  # the big lane was never taken
+    assert compiler.compiled(big).result(timeout=30) is not None
+    wait_until(lambda: len(compiler.stats().small_lane_workers) == 2)
+    assert killed[0] not in compiler.stats().small_lane_workers
+    gated.release()
+    assert compiler.stats().cached_grammars == 2  # the quick one and the big one
 
 
-def test_a_compiled_grammar_over_the_byte_budget_is_refused_and_freed():
-    compiler = make_compiler(max_grammar_bytes=1 << 20, cache_bytes=1 << 20)
-    spec = StructuredOutputs(json=json.dumps(PERSON))  # a string property: about 2 MiB of token masks
+def test_a_worker_that_dies_fails_its_compile_and_is_replaced(gate):
+    compiler = make_compiler(timeout_s=60)
+    gate(compiler, "[k-m]")
+    spec = StructuredOutputs(regex="[k-m]{2}")
+    compiler.check(spec)
+    wait_until(lambda: trial_worker(compiler) is not None)
+    os.kill(trial_worker(compiler), signal.SIGKILL)  # as the kernel's OOM killer would
+    with pytest.raises(RuntimeError, match="ended while compiling"):
+        compiler.compiled(spec).result(timeout=30)
+    wait_until(lambda: len(compiler.stats().small_lane_workers) == 2)
+    compiler.check(StructuredOutputs(regex="[k-m]{3}x"))  # not refused: it did not run out of time
+
+
+def trial_worker(compiler: StructuredOutputCompiler) -> int | None:
+    """The process id of the worker a trial runs in."""
+    with compiler._lock:
+        return next((job.worker.pid for job in compiler._cache.values() if job.worker is not None), None)
+
+
+def test_a_compiled_grammar_over_the_byte_budget_is_refused_and_never_compiled_here(compilers):
+    compiler = compilers(max_grammar_bytes=1 << 20, cache_bytes=1 << 20)
+    spec = StructuredOutputs(json=json.dumps(PERSON))  # a string property: about 1 MiB of token masks
     compiler.check(spec)
     with pytest.raises(InvalidRequestError) as e:
         compiler.compiled(spec).result(timeout=60)
     assert e.value.param == "structured_outputs.json" and "1.0 MiB per constraint" in e.value.message
-    assert compiler.stats().cached_bytes == 0
+    assert compiler.stats().cached_bytes == 0 and compiler._compiler is None  # its trial's size refused it
     small = StructuredOutputs(regex="[ab]{2}")
     compiler.check(small)
     compiler.compiled(small).result(timeout=60)
     assert 0 < compiler.stats().cached_bytes < 1 << 20
 
 
-def test_the_compile_cache_is_bounded_in_bytes_least_recently_used_out_first():
-    compiler = make_compiler(max_grammar_bytes=4 << 20, cache_bytes=7 << 20)
+def test_the_compile_cache_is_bounded_in_bytes_least_recently_used_out_first(compilers):
+    compiler = compilers(max_grammar_bytes=4 << 20, cache_bytes=7 << 20)
     schemas = [PERSON | {"properties": PERSON["properties"] | {f"extra_{i}": {"type": "integer"}}} for i in range(4)]
     specs = [StructuredOutputs(json=json.dumps(schema)) for schema in schemas]
     futures = []
@@ -492,9 +558,79 @@ def test_the_compile_cache_is_bounded_in_bytes_least_recently_used_out_first():
     assert compiler.compiled(specs[0]) is not futures[0]  # evicted: compiled again
 
 
+def test_compiled_grammars_mask_as_xgrammar_compiling_in_process_does(compilers):
+    import xgrammar as xgr
+
+    compiler = compilers()
+    reference = compiler._make_compiler()
+    tok = smollm2_tokenizer()
+    specs_and_texts = [
+        (StructuredOutputs(json=json.dumps(PERSON)), '{"name": "Al", "age": 42, "ok": true}'),
+        (StructuredOutputs(regex=r"\d{3}-\d{4}"), "555-1234"),
+        (StructuredOutputs(choice=("yes", "no", "maybe not")), "maybe not"),
+        (StructuredOutputs(grammar='root ::= "x" [0-9] [0-9]? "y"'), "x42y"),
+    ]
+    for spec, text in specs_and_texts:
+        compiler.check(spec)
+        ours = xgr.GrammarMatcher(compiler.compiled(spec).result(timeout=60))
+        theirs = xgr.GrammarMatcher(reference.compile_grammar(build_grammar(spec)))
+        for token in [*tok.encode(text, add_special_tokens=False), None]:  # every prefix of a valid output
+            masks = [xgr.allocate_token_bitmask(1, tok.vocab_size) for _ in range(2)]
+            ours.fill_next_token_bitmask(masks[0])
+            theirs.fill_next_token_bitmask(masks[1])
+            assert torch.equal(masks[0], masks[1]), (spec, token)
+            if token is not None:
+                assert ours.accept_token(token) and theirs.accept_token(token)
+
+
+def test_close_ends_the_workers_and_what_comes_later_fails(compilers):
+    compiler = compilers()
+    compiler.warm_up()
+    pids = compiler.stats().small_lane_workers + compiler.stats().big_lane_workers
+    assert len(pids) == 3 and not any(gone(pid) for pid in pids)
+    compiler.close()
+    assert all(gone(pid) for pid in pids)
+    spec = StructuredOutputs(regex="[ab]{5}")
+    compiler.check(spec)
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        compiler.compiled(spec).result(timeout=10)
+
+
+_SIGKILLED_PARENT = """
+import json, sys, time
+from backend.grammar_compiler import GrammarBudget, StructuredOutputCompiler
+from protocol import StructuredOutputs
+from tests.engine_helpers import smollm2_tokenizer
+tok = smollm2_tokenizer()
+compiler = StructuredOutputCompiler(tok, tok.vocab_size, tuple(tok.eos_token_ids), GrammarBudget(timeout_s=600))
+compiler.warm_up()
+schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(5000)}}
+compiler.check(StructuredOutputs(json=json.dumps(schema)))  # seconds of compiling in the big lane's worker
+stats = compiler.stats()
+print(json.dumps(stats.small_lane_workers + stats.big_lane_workers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_end_with_their_process_even_sigkilled_mid_compile():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _SIGKILLED_PARENT], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 3
+        time.sleep(0.5)
+        parent.kill()  # SIGKILL: nothing of the parent runs, its pipes close
+        parent.wait()
+        wait_until(lambda: all(gone(pid) for pid in pids), timeout_s=10)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_a_request_whose_grammar_runs_past_the_budget_ends_with_a_refusal(gate):
     engine = tiny_engine(grammar_compile_timeout_s=0.3)
-    gate(engine.structured_outputs, lambda lane, grammar: True)
+    gate(engine.structured_outputs, r"\d{3}")
     constrained = SamplingParams.from_dict({"structured_outputs": {"regex": r"\d{3}"}})
     started = time.monotonic()
     engine.add_request(engine.make_request("stuck", "Hi", constrained))
