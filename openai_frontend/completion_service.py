@@ -62,6 +62,10 @@ class CompletionService:
 
     async def plan(self, req: CompletionRequest, force_usage: bool = False) -> CompletionPlan:
         arrival = time.monotonic()
+        limit = self.settings.max_prompts_per_request
+        many = not isinstance(req.prompt, str) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        if many and len(req.prompt) > limit:  # (a list of token ids is one prompt)
+            raise InvalidRequest(f"prompt holds at most {limit} prompts (got {len(req.prompt)})", "prompt")
         if req.best_of is not None and req.best_of != (1 if req.n is None else req.n):
             raise InvalidRequest("best_of is only supported equal to n", "best_of")
         prompts = _normalize_prompts(req.prompt)
@@ -186,7 +190,7 @@ def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
         return (prompt,)
     if not prompt:
         raise InvalidRequest("prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt[0], int):  # (the schema's union: all items are of one kind)
         return (tuple(prompt),)  # one prompt of token ids
     out: list[Prompt] = []
     for p in prompt:

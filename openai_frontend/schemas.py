@@ -12,7 +12,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from openai_frontend.errors import InvalidRequest
 from protocol.sampling import MAX_TOKEN_ID
@@ -21,7 +30,6 @@ from protocol.sampling import MAX_TOKEN_ID
 # request per prompt): OpenAI's bound where it has one (tools, tool_calls), elsewhere one no real request
 # nears. Past a bound the request is a 400 naming the field (docs/security.md). The sampling lists'
 # bounds are protocol.SamplingParams'.
-MAX_PROMPTS = 256  # prompts in one completions request
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
 MAX_TOOLS = 128
@@ -153,20 +161,29 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     best_of: int | None = None
 
+    # (Before _prompts_bounded, which so runs after it.)
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_as_they_are(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A list of integers is one prompt of token ids, taken as it is: the union's other members would
+        first make an error per item (a million for a long prompt, in one call that holds the GIL). Anything
+        else is validated as the union, with the union's errors."""
+        if type(value) is list and value and all(type(item) is int for item in value):
+            return value
+        return handler(value)
+
     @field_validator("prompt")
     @classmethod
     def _prompts_bounded(
         cls, value: str | list[str] | list[int] | list[list[int]]
     ) -> str | list[str] | list[int] | list[list[int]]:
-        """At most MAX_PROMPTS prompts, and token ids the wire can carry (the engine checks its vocabulary):
-        an id past INT32 would otherwise wrap where the frontend casts it."""
+        """Token ids the wire can carry (the engine checks its vocabulary): an id past INT32 would otherwise
+        wrap where the frontend casts it. (How many prompts is the service's bound: --max-prompts-per-request.)"""
         if isinstance(value, str) or not value:
             return value
         if isinstance(value[0], int):
             _require_prompt_token_ids(value)  # one prompt of token ids
             return value
-        if len(value) > MAX_PROMPTS:
-            raise InvalidRequest(f"prompt holds at most {MAX_PROMPTS} prompts (got {len(value)})", "prompt")
         for prompt in value:
             if isinstance(prompt, list):
                 _require_prompt_token_ids(prompt)

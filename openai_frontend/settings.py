@@ -43,6 +43,7 @@ class Settings:
     keep_alive_timeout_s: int = 5
     max_connections: int = 4096  # open connections and requests; past it a 503
     prompt_threads: int = 2  # threads that tokenize and render big prompts off the event loop (tokenizers.py)
+    max_prompts_per_request: int = 256  # prompts in one completions request: one engine request each
     allow_special_tokens_in_content: bool = False  # False: special tokens typed in a chat are text (chat_prompt.py)
     # The Responses API's store (docs/responses.md): None is SQLite in the state folder.
     state_dir: str = "artifacts/state"
@@ -69,6 +70,8 @@ class Settings:
             raise ValueError("--max-header-bytes must be >= 1024 and --max-connections >= 1")
         if self.prompt_threads < 1:
             raise ValueError("--prompt-threads must be >= 1")
+        if self.max_prompts_per_request < 1:
+            raise ValueError("--max-prompts-per-request must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
         if self.response_lease_s <= 0 or self.response_poll_ms <= 0 or self.response_ttl_s <= 0:
@@ -198,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         "event loop (every other request, the health probe) never waits on them",
     )
     parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.max_prompts_per_request,
+        help="prompts one /v1/completions request may hold (each is an engine request of its own); more is a 400",
+    )
+    parser.add_argument(
         "--allow-special-tokens-in-content",
         action="store_true",
         help="read special tokens' texts typed in chat messages, tools and chat_template_kwargs "
@@ -281,6 +290,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             keep_alive_timeout_s=args.keep_alive_timeout_s,
             max_connections=args.max_connections,
             prompt_threads=args.prompt_threads,
+            max_prompts_per_request=args.max_prompts_per_request,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
             state_dir=args.state_dir,
             response_store=args.response_store,

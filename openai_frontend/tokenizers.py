@@ -1,6 +1,7 @@
 """The frontend's own copy of each model's tokenizer, for what needs token ids before or beside the
 engine: /tokenize, /detokenize, /tokenizer_info, echo of token-id prompts, `return_token_ids` and
-`truncate_prompt_tokens`; and the threads that prompt work (tokenizing, chat templates) runs on.
+`truncate_prompt_tokens`; and the threads that prompt work (tokenizing, chat templates) and the parsing
+of big request bodies run on.
 
 The engine tokenizes every prompt itself; the frontend loads the same tokenizer (tokenization.model_files,
 no torch) from the source named by the model's Triton `model` parameter, or from `--tokenizer`.
@@ -87,5 +88,9 @@ class Tokenizers:
         every other request and the health probe)."""
         if chars <= INLINE_WORK_CHARS:
             return work(*args, **kwargs)
+        return await self.run_on_thread(work, *args, **kwargs)
+
+    async def run_on_thread(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`work(*args, **kwargs)` on a worker thread (also the parsing of big request bodies: routers/common.py)."""
         call = functools.partial(work, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._workers, call)

@@ -1,20 +1,22 @@
-"""What the routers share: the service from app state, API-key check, disconnect handling, SSE, and
-the JSON response of a response model."""
+"""What the routers share: the service from app state, big bodies parsed off the event loop, API-key
+check, disconnect handling, SSE, and the JSON response of a response model."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from openai_frontend.errors import AuthenticationFailed, ClientDisconnected, EngineFailure, FrontendError
@@ -24,6 +26,11 @@ from openai_frontend.service import Service
 log = logging.getLogger("openai_frontend")
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+
+# Request bodies past this size are parsed and validated on the prompt threads (tokenizers.py): a body of a
+# million token ids holds the event loop, and every other request with it, for a tenth of a second; a
+# smaller one takes less time than the hop to a thread and back.
+BODY_INLINE_BYTES = 256 * 1024
 
 
 def service(request: Request) -> Service:
@@ -36,6 +43,79 @@ def parse_body(schema: type[M], body: dict[str, Any]) -> M:
         return schema.model_validate(body)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+
+
+async def parse_big_body(request: Request, schema: type[M], body: dict[str, Any]) -> M:
+    """parse_body, on a prompt thread when the request's body is big."""
+    if len(await request.body()) > BODY_INLINE_BYTES:  # (read already: FastAPI parsed it)
+        return await service(request).tokenizers.run_on_thread(parse_body, schema, body)
+    return parse_body(schema, body)
+
+
+class BigBodyRoute(APIRoute):
+    """A route whose JSON body, past BODY_INLINE_BYTES, is parsed and validated on a prompt thread, with the
+    same errors as FastAPI's parse and validation on the event loop (which smaller bodies keep). The
+    endpoint, its dependencies and the OpenAPI document are any route's."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        body_field = self.body_field
+        if body_field is None:
+            return handler
+
+        async def handle(request: Request) -> Response:
+            if _may_be_big_json(request):
+                try:
+                    body = await request.body()
+                except Exception:  # noqa: BLE001 - FastAPI's own read answers it as it would (400, or the 413)
+                    return await handler(request)
+                if len(body) > BODY_INLINE_BYTES:
+                    parsed = await service(request).tokenizers.run_on_thread(_parse_and_validate, body_field, body)
+                    if parsed is not _FASTAPI_DECIDES:
+                        # FastAPI takes the body from Starlette's cache of the parsed JSON, and its validation
+                        # passes a model instance through as it is.
+                        request._json = parsed  # type: ignore[attr-defined]
+            return await handler(request)
+
+        return handle
+
+
+_FASTAPI_DECIDES = object()
+
+
+def _may_be_big_json(request: Request) -> bool:
+    """A body FastAPI parses as JSON (its content type says so) that is not known to be small."""
+    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if content_type != "application/json" and not (
+        content_type.startswith("application/") and content_type.endswith("+json")
+    ):
+        return False
+    length = request.headers.get("content-length", "")
+    return not length.isdigit() or int(length) > BODY_INLINE_BYTES
+
+
+def _parse_and_validate(field: Any, body: bytes) -> Any:
+    """What FastAPI does with a JSON body (fastapi.routing.get_request_handler, then its validation of the
+    body parameter), with its errors; _FASTAPI_DECIDES for a body that is not JSON text at all (bad UTF-8,
+    nesting past the recursion limit), whose answer FastAPI gives."""
+    try:
+        data = json.loads(body, parse_int=_parse_int)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([error | {"ctx": {"error": e.msg}}], body=e.doc) from None
+    except (ValueError, RecursionError):
+        return _FASTAPI_DECIDES
+    value, errors = field.validate(data, {}, loc=("body",))
+    if errors:
+        raise RequestValidationError(errors, body=data)
+    return value
+
+
+def _parse_int(text: str) -> int:
+    """json's parse_int, in Python: the C parser holds the GIL for a whole body, so without a call into
+    Python now and then the event loop's thread would wait for the parse all the same. (Numbers are the
+    bulk of big bodies: token ids.)"""
+    return int(text)
 
 
 async def require_api_key(request: Request) -> None:

@@ -5,10 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from openai_frontend.routers.common import ModelResponse, cancel_on_disconnect, require_api_key, service, sse_response
+from openai_frontend.routers.common import (
+    BigBodyRoute,
+    ModelResponse,
+    cancel_on_disconnect,
+    require_api_key,
+    service,
+    sse_response,
+)
 from openai_frontend.schemas import CompletionRequest
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], route_class=BigBodyRoute)
 
 
 @router.post("/v1/completions")

@@ -12,10 +12,10 @@ from fastapi.responses import Response
 
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.routers import chat, completions
-from openai_frontend.routers.common import parse_body, require_api_key
+from openai_frontend.routers.common import BigBodyRoute, parse_big_body, require_api_key
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BigBodyRoute)
 
 
 @cache
@@ -34,7 +34,7 @@ async def get_version() -> dict[str, str]:
 async def invocations(request: Request, body: dict[str, Any] = Body(...)) -> Response:
     """Dispatches on the body as vLLM does: `messages` is a chat completion, `prompt` a completion."""
     if "messages" in body:
-        return await chat.create_chat_completion(parse_body(ChatCompletionRequest, body), request)
+        return await chat.create_chat_completion(await parse_big_body(request, ChatCompletionRequest, body), request)
     if "prompt" in body:
-        return await completions.create_completion(parse_body(CompletionRequest, body), request)
+        return await completions.create_completion(await parse_big_body(request, CompletionRequest, body), request)
     raise InvalidRequest("the body is neither a chat completion (messages) nor a completion (prompt) request", "body")

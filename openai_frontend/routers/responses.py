@@ -16,10 +16,10 @@ from openai_frontend.errors import FrontendError
 from openai_frontend.responses_api.runs import Run, sse_frame
 from openai_frontend.responses_api.schemas import ResponsesRequest
 from openai_frontend.responses_api.service import ResponsesService
-from openai_frontend.routers.common import ClosingStreamingResponse, cancel_on_disconnect, require_api_key
+from openai_frontend.routers.common import BigBodyRoute, ClosingStreamingResponse, cancel_on_disconnect, require_api_key
 
 log = logging.getLogger("openai_frontend")
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], route_class=BigBodyRoute)
 
 
 def _service(request: Request) -> ResponsesService:

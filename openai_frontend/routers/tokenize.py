@@ -7,16 +7,16 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 
-from openai_frontend.routers.common import parse_body, require_api_key
+from openai_frontend.routers.common import BigBodyRoute, parse_big_body, require_api_key
 from openai_frontend.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], route_class=BigBodyRoute)
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request, body: dict[str, Any] = Body(...)) -> Response:
     schema = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
-    return _json(await request.app.state.tokenizer_api.tokenize(parse_body(schema, body)))
+    return _json(await request.app.state.tokenizer_api.tokenize(await parse_big_body(request, schema, body)))
 
 
 @router.post("/detokenize")

@@ -108,3 +108,90 @@ async def test_prompt_threads_is_a_setting() -> None:
     assert parse_settings(["--prompt-threads", "3"]).prompt_threads == 3
     with pytest.raises(ValueError):
         Settings(prompt_threads=0)
+
+
+# -- big request bodies are parsed and validated off the event loop (routers/common.py BigBodyRoute) --------
+
+BIG_IDS_BODY = {"model": FAKE_MODEL.name, "prompt": list(range(1_000_000)), "max_tokens": 1}  # about 7 MiB
+
+
+async def loop_gaps_during(c: httpx.AsyncClient, content: bytes) -> tuple[httpx.Response, float]:
+    """(the response to POST /v1/completions of `content`, the longest the event loop went without running
+    a 1 ms ticker meanwhile)."""
+    task = asyncio.ensure_future(
+        c.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    )
+    longest, last = 0.0, time.perf_counter()
+    while not task.done():
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    return await task, longest
+
+
+async def test_a_big_body_is_parsed_on_a_prompt_thread_and_the_loop_runs_meanwhile(monkeypatch) -> None:
+    from openai_frontend.routers import common
+
+    parsed_on: list[str] = []
+    real = common._parse_and_validate
+
+    def recorded(field, body):
+        parsed_on.append(threading.current_thread().name)
+        return real(field, body)
+
+    monkeypatch.setattr(common, "_parse_and_validate", recorded)
+    content = json.dumps(BIG_IDS_BODY).encode()
+    async with client() as c:
+        r = await c.post("/v1/completions", json={"model": FAKE_MODEL.name, "prompt": "small", "max_tokens": 1})
+        assert r.status_code == 200 and parsed_on == []  # a small body: as before, on the loop
+        r, off_loop = await loop_gaps_during(c, content)
+        assert r.status_code == 200, r.text
+        assert len(parsed_on) == 1 and parsed_on[0].startswith("prompt-work")
+        monkeypatch.setattr(common, "BODY_INLINE_BYTES", len(content))  # the same body parsed on the loop
+        r, on_loop = await loop_gaps_during(c, content)
+        assert r.status_code == 200 and len(parsed_on) == 1
+    # The loop still waits for the GIL in short turns (5 ms switch interval, a few C calls of a few ms).
+    assert off_loop < on_loop / 2, f"loop gap {off_loop * 1e3:.0f} ms off the loop, {on_loop * 1e3:.0f} ms on it"
+
+
+def _padded(body: dict) -> dict:
+    return body | {"user": "x" * 300_000}  # past the inline size, valid anywhere
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": "hi", "suffix": "no"})),  # unknown field
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": "hi", "temperature": "hot"})),  # a field's type
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": [1, "two"]})),  # the union's errors
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": [5] * 100_000 + [2**40]})),  # a validator's 400
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": "hi"}))[:-1] + ",}",  # not JSON
+        json.dumps(_padded({"model": FAKE_MODEL.name, "prompt": "hi", "x": "\ud800"})),  # a lone surrogate
+        "[" + json.dumps(_padded({"model": FAKE_MODEL.name})) + "]",  # not an object
+        b'{"model": "\xff' + b"x" * 300_000 + b'"}',  # not UTF-8
+    ],
+)
+async def test_a_bad_big_body_gets_the_answer_a_bad_small_one_gets(monkeypatch, content) -> None:
+    from openai_frontend.routers import common
+
+    content = content if isinstance(content, bytes) else content.encode()
+    assert len(content) > common.BODY_INLINE_BYTES
+    headers = {"content-type": "application/json"}
+    async with client() as c:
+        off_loop = await c.post("/v1/completions", content=content, headers=headers)
+        monkeypatch.setattr(common, "BODY_INLINE_BYTES", 1 << 30)
+        on_loop = await c.post("/v1/completions", content=content, headers=headers)
+    assert off_loop.status_code == on_loop.status_code == 400
+    assert off_loop.json() == on_loop.json()
+
+
+async def test_a_big_tokenize_body_is_validated_off_the_loop_with_the_same_errors(monkeypatch) -> None:
+    from openai_frontend.routers import common
+
+    body = {"model": MODEL.name, "messages": [{"role": "user", "content": "x" * 300_000}], "nope": 1}
+    async with client() as c:
+        off_loop = await post_json(c, "/tokenize", body)
+        monkeypatch.setattr(common, "BODY_INLINE_BYTES", 1 << 30)
+        on_loop = await post_json(c, "/tokenize", body)
+    assert off_loop.status_code == on_loop.status_code == 400
+    assert off_loop.json() == on_loop.json() and off_loop.json()["error"]["param"] == "nope"

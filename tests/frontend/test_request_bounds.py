@@ -11,6 +11,7 @@ import pytest
 
 from openai_frontend import schemas
 from openai_frontend.errors import InvalidRequest
+from openai_frontend.settings import Settings, parse_settings
 from openai_frontend.triton_client import build_request
 from protocol import InvalidRequestError, SamplingParams
 from tests.fake_engine import FakeEngineClient
@@ -41,17 +42,31 @@ async def refused(path: str, body: dict[str, Any] | bytes, param: str, *words: s
 
 
 async def test_prompts_per_completions_request_are_bounded() -> None:
+    limit = Settings().max_prompts_per_request
     eng = engine()
-    status, _ = await send(
-        "/v1/completions", {"model": MODEL, "prompt": ["x"] * schemas.MAX_PROMPTS, "max_tokens": 1}, eng
-    )
-    assert status == 200 and len(eng.calls) == schemas.MAX_PROMPTS
-    for prompt in (["x"] * (schemas.MAX_PROMPTS + 1), [[5]] * (schemas.MAX_PROMPTS + 1)):
-        await refused("/v1/completions", {"model": MODEL, "prompt": prompt}, "prompt", str(schemas.MAX_PROMPTS))
+    status, _ = await send("/v1/completions", {"model": MODEL, "prompt": ["x"] * limit, "max_tokens": 1}, eng)
+    assert status == 200 and len(eng.calls) == limit
+    for prompt in (["x"] * (limit + 1), [[5]] * (limit + 1)):
+        await refused("/v1/completions", {"model": MODEL, "prompt": prompt}, "prompt", str(limit))
+
+
+async def test_the_prompt_bound_is_a_flag() -> None:
+    settings = parse_settings(["--max-prompts-per-request", "3"])
+    assert settings.max_prompts_per_request == 3
+    with pytest.raises(ValueError):
+        Settings(max_prompts_per_request=0)
+    eng = engine()
+    async with make_client(eng, settings) as client:
+        ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 3, "max_tokens": 1})
+        over = await client.post("/v1/completions", json={"model": MODEL, "prompt": [[5]] * 4, "max_tokens": 1})
+    assert ok.status_code == 200 and len(eng.calls) == 3
+    assert over.status_code == 400 and over.json()["error"]["param"] == "prompt"
+    assert over.json()["error"]["message"] == "prompt holds at most 3 prompts (got 4)"
 
 
 async def test_one_long_token_id_prompt_is_one_prompt() -> None:
-    status, _ = await send("/v1/completions", {"model": MODEL, "prompt": [5] * (schemas.MAX_PROMPTS + 1)})
+    long_prompt = [5] * (Settings().max_prompts_per_request + 1)
+    status, _ = await send("/v1/completions", {"model": MODEL, "prompt": long_prompt})
     assert status == 200
 
 
