@@ -33,6 +33,14 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 5.0
     grammar_max_mib: int = 32
     grammar_cache_mib: int = 256
+    # Speculative decoding (backend/speculation.py): "ngram" drafts by prompt lookup, "" is off. At most
+    # num_speculative_tokens drafted tokens per sequence and step, from n-grams of ngram_min..ngram_max
+    # tokens; speculative_row_cost is a query row's cost against a step's fixed cost (how drafts are rationed).
+    speculative: str = ""
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_row_cost: float = 0.5
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -54,6 +62,10 @@ class EngineConfig:
         check(self.grammar_max_mib >= 1, "grammar_max_mib must be >= 1")
         check(self.grammar_cache_mib >= self.grammar_max_mib, "grammar_cache_mib must be >= grammar_max_mib")
         check(not self.compile or self.device == "cpu", "compile is for the CPU path (CUDA runs the Triton kernels)")
+        check(self.speculative in ("", "ngram"), f"speculative must be ngram or empty, not {self.speculative!r}")
+        check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
+        check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+        check(self.speculative_row_cost >= 0, "speculative_row_cost must be >= 0")
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:

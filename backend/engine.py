@@ -27,7 +27,8 @@ from backend.model_runner import ModelRunner, kv_block_bytes
 from backend.models import build_model
 from backend.output_processor import OutputProcessor
 from backend.scheduler import Scheduler, SchedulerConfig
-from backend.sequence import Sequence
+from backend.sequence import Sequence, SequenceStatus
+from backend.speculation import NgramSpeculator, SpeculationConfig
 from backend.structured_output import GrammarState
 from kernels import cpu_kernels
 from protocol import (
@@ -62,6 +63,8 @@ class EngineStats:
     generation_tokens: int
     aborted_requests: int
     rejected_requests: int  # refused because the queue was full
+    spec_draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of them, accepted
 
 
 class LLMEngine:
@@ -118,6 +121,14 @@ class LLMEngine:
             compile_decode=config.compile,
         )
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
+        self.speculator = None
+        if config.speculative == "ngram":
+            spec = SpeculationConfig(
+                config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_row_cost
+            )
+            self.speculator = NgramSpeculator(spec, max_model_len)
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
         self.structured_outputs = StructuredOutputCompiler(
             self.tokenizer, model_cfg.vocab_size, self.runtime.eos_token_ids, GrammarBudget.from_config(config)
         )
@@ -228,12 +239,28 @@ class LLMEngine:
             result = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             return self._pending_outputs() + self._fail_batch(batch, exc)
-        self.scheduler.update_from_output([(seq, tok.token_id) for seq, tok in result.sampled])
+        self.scheduler.update_from_output([(seq, tuple(t.token_id for t in toks)) for seq, toks in result.sampled])
         messages, finished = self.output_processor.process(result)
         for seq in finished:
             self.scheduler.finish(seq)
-        self._generation_tokens += len(result.sampled)
+        self._generation_tokens += sum(len(m.token_ids) for m in messages)
+        if self.speculator is not None:
+            self._speculate(batch, result)
         return self._pending_outputs() + messages
+
+    def _speculate(self, batch, result) -> None:
+        """Judges this step's drafts and proposes the next step's, for the sequences that decode on."""
+        speculator = self.speculator
+        drafted = {e.seq.seq_id: len(e.draft_token_ids) for e in batch.scheduled if e.draft_token_ids}
+        num_decoding = self.scheduler.num_running
+        for seq, toks in result.sampled:
+            num_drafted = drafted.get(seq.seq_id, 0)
+            if num_drafted:
+                self._draft_tokens += num_drafted
+                self._accepted_tokens += len(toks) - 1
+                speculator.judge(seq, num_drafted, len(toks) - 1)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.draft_token_ids = speculator.propose(seq, num_decoding)
 
     def _admit_compiled(self) -> None:
         """Schedules the constrained requests whose grammar is ready and ends those whose grammar was
@@ -289,4 +316,6 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             aborted_requests=self._aborted,
             rejected_requests=self._rejected,
+            spec_draft_tokens=self._draft_tokens,
+            spec_accepted_tokens=self._accepted_tokens,
         )

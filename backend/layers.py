@@ -43,13 +43,15 @@ def parameter(t: torch.Tensor) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x @ W.T (+ b), weights arriving through `load`. On CPU in fp32 three paths:
 
-    - up to cpu_kernels.MAX_LINEAR_ROWS rows (decode steps, short prefill chunks): the kernel
-      kernels/cpu_linear.cpp on a copy of W packed in 32-column panels, bias and residual added in its
-      epilogue. Where it could not be built, one row runs as a split bmm: W viewed as (S, N/S, K) for
-      S threads, one batched matmul, each thread streaming its own slice of W (plain F.linear reads a
-      single row's weights slower);
-    - more rows (long prefills), or several rows without the kernel: W pre-packed for oneDNN
-      (torch.ops.mkldnn, what torch.compile's CPU freezing uses).
+    - in eager mode, any number of rows: the kernel kernels/cpu_linear.cpp on a copy of W packed in
+      32-column panels, bias and residual added in its epilogue, up to cpu_kernels.MAX_LINEAR_ROWS rows
+      a call. Its rows do not depend on each other, so a row gets the same bits in a decode step, in a
+      long prefill and beside one (speculative decoding and the Responses takeover rely on it). Where
+      it could not be built, one row runs as a split bmm: W viewed as (S, N/S, K) for S threads, one
+      batched matmul, each thread streaming its own slice of W (plain F.linear reads a single row's
+      weights slower);
+    - several rows without the kernel, or under torch.compile: W pre-packed for oneDNN (torch.ops.mkldnn,
+      what torch.compile's CPU freezing uses).
 
     So on CPU the weight is held three times (plain, panels, oneDNN's). `.to(...)` drops and rebuilds
     the packed copies. A weight that is exactly d * q + m in every run of 32 k (what a Q4_1 GGUF
@@ -107,9 +109,13 @@ class Linear(nn.Module):
         T = x.shape[0]
         # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
         compiling = torch.compiler.is_compiling()
-        if self._kernel is not None and (T == 1 or (not compiling and T <= cpu_kernels.MAX_LINEAR_ROWS)):
+        if self._kernel is not None and (T == 1 or not compiling):
             residual = None if residual is None else residual.contiguous()
-            return self._kernel(x.contiguous(), self.panels_for(T), self.out_features, self.bias, residual)  # (T, N)
+            if T <= cpu_kernels.MAX_LINEAR_ROWS:
+                return self._kernel(
+                    x.contiguous(), self.panels_for(T), self.out_features, self.bias, residual
+                )  # (T, N)
+            return self._kernel_in_slices(x.contiguous(), residual)  # (T, N)
         if T == 1:
             return self._one_row(x, residual)  # (1, N)
         if compiling:  # inductor cannot lower the oneDNN op itself: an opaque call
@@ -118,6 +124,21 @@ class Linear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
         return y if residual is None else residual + y
+
+    def _kernel_in_slices(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """x (T, K), T > MAX_LINEAR_ROWS -> (T, N): the kernel on consecutive slices of rows."""
+        rows = cpu_kernels.MAX_LINEAR_ROWS
+        slices = [
+            self._kernel(
+                x[i : i + rows],
+                self.panels_for(min(rows, x.shape[0] - i)),
+                self.out_features,
+                self.bias,
+                None if residual is None else residual[i : i + rows],
+            )
+            for i in range(0, x.shape[0], rows)
+        ]
+        return torch.cat(slices)  # (T, N)
 
     def panels_for(self, rows: int) -> torch.Tensor | None:
         """What the kernel reads for `rows` x rows: the Q4 / Q8 panels where there are any and they are

@@ -1,8 +1,12 @@
 """Runs one scheduled batch through the model and samples the next tokens.
 
 Owns the paged KV cache tensors. The batch is flattened: the T tokens of all scheduled sequences
-in one row, decode sequences (one token each) first, then prefill chunks, described to the model by
-an explicit AttentionMetadata (no globals).
+in one row, generated tokens (decode rows, drafted tokens among them) first, then prompt chunks
+(`StepLayout`), described to the model by an explicit AttentionMetadata (no globals).
+
+Speculative decoding (backend/speculation.py): each row of a drafted entry is sampled as plain decoding
+would sample it there, with the drafted tokens before it as its history, and a drafted token is kept
+only when it is the token sampled in its place, so the kept tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from backend import huge_pages
 from backend.attention import AttentionMetadata, allocate_kv_caches
 from backend.logits_processors import FixedInputs
 from backend.models import CausalLM
-from backend.sampler import SampledToken, Sampler, SamplingRow, TokenScore, make_generator, score_tokens
+from backend.sampler import (
+    GREEDY_EPS,
+    SampledToken,
+    Sampler,
+    SamplingRow,
+    TokenScore,
+    make_generator,
+    score_tokens,
+)
 from backend.scheduler import ScheduledSequence, SchedulerOutput
 from backend.sequence import Sequence
 from backend.structured_output import TokenBitmask
@@ -32,9 +44,75 @@ class PromptScores:
     scores: list[TokenScore]
 
 
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One sampled row of a sequence: its logits row, and the drafted tokens it comes after (its history
+    for the logits processors, its grammar state, its place in the random stream)."""
+
+    seq: Sequence
+    row: int  # row of the step's sampled logits
+    ahead: tuple[int, ...]  # drafted tokens before this row's position (empty: the sequence's next token)
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """How a step's tokens are laid out in the flattened batch, and what each row attends to.
+
+    A row attends as a decode exactly when its token is a generated one (a sequence's next token, its
+    drafted tokens, or generated tokens computed again after a preemption), and as a prefill row when it
+    is a prompt token, however the step came about: the decode and prefill kernels sum in different
+    orders, so this is what gives a token's K/V and logits the same bits whether its prompt was chunked,
+    cached or recomputed, and whether its tokens were drafted. Decode rows come first, one attention
+    sequence each (at its own position); then each entry's prompt rows, one attention sequence per entry.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]  # per attention sequence
+    tables: list[tuple[int, ...]]  # per attention sequence
+    query_start_loc: list[int]
+    num_decode_rows: int
+    entry_rows: list[list[int]]  # per entry: the flattened row of each of its tokens, in order
+
+    @classmethod
+    def of(cls, entries: tuple[ScheduledSequence, ...], block_size: int) -> StepLayout:
+        splits = [min(max(e.seq.num_prompt_tokens - e.start_position, 0), e.num_new_tokens) for e in entries]
+        num_decode_rows = sum(e.num_new_tokens - k for e, k in zip(entries, splits))
+        layout = cls([0] * (num_decode_rows + sum(splits)), [], [], [], [], [0], num_decode_rows, [])
+        layout.positions = [0] * len(layout.input_ids)
+        layout.slots = [0] * len(layout.input_ids)
+        next_decode, next_prefill = 0, num_decode_rows
+        prefill_seqs: list[tuple[int, tuple[int, ...]]] = []
+        for entry, split in zip(entries, splits):
+            start, table = entry.start_position, entry.block_table
+            rows = list(range(next_prefill, next_prefill + split))
+            rows += range(next_decode, next_decode + entry.num_new_tokens - split)
+            next_prefill += split
+            next_decode += entry.num_new_tokens - split
+            for offset, row in enumerate(rows):
+                p = start + offset
+                layout.input_ids[row] = entry.token_ids[offset]
+                layout.positions[row] = p
+                layout.slots[row] = table[p // block_size] * block_size + p % block_size
+                if offset >= split:
+                    layout.seq_lens.append(p + 1)
+                    layout.tables.append(table)
+            if split:
+                prefill_seqs.append((start + split, table))
+            layout.entry_rows.append(rows)
+        layout.query_start_loc = list(range(num_decode_rows + 1))
+        for (length, table), split in zip(prefill_seqs, [k for k in splits if k]):
+            layout.seq_lens.append(length)
+            layout.tables.append(table)
+            layout.query_start_loc.append(layout.query_start_loc[-1] + split)
+        return layout
+
+
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: list[tuple[Sequence, SampledToken]] = field(default_factory=list)  # one per sequence that samples
+    # One per sequence that samples: its new tokens (accepted drafts, then the token sampled after them)
+    sampled: list[tuple[Sequence, tuple[SampledToken, ...]]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)  # for sequences that asked for prompt logprobs
 
 
@@ -81,8 +159,9 @@ class ModelRunner:
             compiled_decode.warm_up(self.decode_forward, self.kv_caches, block_size, self.zero_slot)
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        """Computes the scheduled tokens; returns one sampled token per sequence that samples, and the
-        scores of the prompt tokens this step covered for sequences that asked for prompt logprobs."""
+        """Computes the scheduled tokens; returns the new tokens of each sequence that samples (one, or its
+        accepted drafts and one more), and the scores of the prompt tokens this step covered for
+        sequences that asked for prompt logprobs."""
         with self._grad_mode():
             return self._execute(batch)
 
@@ -90,66 +169,96 @@ class ModelRunner:
         self._copy_blocks(batch.blocks_to_copy)
         if not batch.scheduled:
             return RunnerOutput()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        sample_rows: list[int] = []  # row of the last token of each sampling entry
-        sampling_seqs: list[Sequence] = []
-        row_of_seq: list[int] = []  # logits row each sampling sequence reads (siblings share the leader's)
-        bs = self.block_size
-        for entry in batch.scheduled:
-            start, n = entry.start_position, entry.num_new_tokens
-            input_ids.extend(entry.token_ids)
-            positions.extend(range(start, start + n))
-            table = entry.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            query_start_loc.append(query_start_loc[-1] + n)
+        layout = StepLayout.of(batch.scheduled, self.block_size)
+        sample_rows: list[int] = []  # hidden rows whose logits are sampled
+        draws: list[Draw] = []  # what each sampled sequence row reads, in sampling order
+        for entry, rows in zip(batch.scheduled, layout.entry_rows):
             if entry.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
-                for seq in (entry.seq, *entry.forked):
-                    sampling_seqs.append(seq)
-                    row_of_seq.append(len(sample_rows) - 1)
+                drafts = entry.draft_token_ids
+                for j in range(len(drafts) + 1):
+                    sample_rows.append(rows[len(rows) - 1 - len(drafts) + j])
+                    draws.append(Draw(entry.seq, len(sample_rows) - 1, drafts[:j]))
+                draws.extend(Draw(child, len(sample_rows) - 1, ()) for child in entry.forked)
 
-        max_blocks = max(len(e.block_table) for e in batch.scheduled)
-        tables = [list(e.block_table) + [0] * (max_blocks - len(e.block_table)) for e in batch.scheduled]
         dev = self.device
+        max_blocks = max(len(t) for t in layout.tables)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_seqs=batch.num_decode_seqs,
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            block_size=bs,
+            slot_mapping=torch.tensor(layout.slots, dtype=torch.int64, device=dev),
+            num_decode_seqs=layout.num_decode_rows,
+            block_tables=torch.tensor(
+                [list(t) + [0] * (max_blocks - len(t)) for t in layout.tables], dtype=torch.int32, device=dev
+            ),
+            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(layout.query_start_loc, dtype=torch.int32, device=dev),
+            block_size=self.block_size,
             zero_slot=self.zero_slot,
         )
-        decode_only = batch.num_decode_seqs == len(batch.scheduled)
+        decode_only = layout.num_decode_rows == len(layout.input_ids)
         forward = self.decode_forward if decode_only and self.decode_forward is not None else self.model
         hidden = forward(  # (T, hidden)
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(layout.input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(layout.positions, dtype=torch.int64, device=dev),
             self.kv_caches,
             meta,
         )
-        output = RunnerOutput(prompt_scores=self._score_prompts(batch.scheduled, hidden, query_start_loc))
-        if not sampling_seqs:
+        output = RunnerOutput(prompt_scores=self._score_prompts(batch.scheduled, hidden, layout.entry_rows))
+        if not draws:
             return output
-        logits = self.model.compute_logits(hidden[sample_rows])  # (entries, vocab) fp32
-        if len(row_of_seq) != len(sample_rows):
-            logits = logits[torch.tensor(row_of_seq, device=dev)]  # (sequences, vocab): siblings read the leader's row
-        rows = [self._sampling_row(seq) for seq in sampling_seqs]
-        allowed = TokenBitmask.for_rows([seq.grammar for seq in sampling_seqs], logits.shape[1])
-        output.sampled = list(zip(sampling_seqs, self.sampler.sample(logits.float().cpu(), rows, allowed)))
+        logits = self.model.compute_logits(hidden[sample_rows])  # (sampled rows, vocab) fp32
+        if len(draws) != len(sample_rows):
+            logits = logits[
+                torch.tensor([d.row for d in draws], device=dev)
+            ]  # (draws, vocab): siblings read the leader's row
+        rows = [self._sampling_row(d) for d in draws]
+        generator_states = self._generator_states(draws)
+        allowed = TokenBitmask.for_rows([(d.seq.grammar, d.ahead) for d in draws], logits.shape[1])
+        tokens = self.sampler.sample(logits.float().cpu(), rows, allowed)
+        output.sampled = self._accepted(draws, tokens, generator_states)
         return output
 
+    @staticmethod
+    def _accepted(
+        draws: list[Draw], tokens: list[SampledToken], generator_states: dict[int, torch.Tensor]
+    ) -> list[tuple[Sequence, tuple[SampledToken, ...]]]:
+        """Each sequence's tokens: its drafted tokens up to the first that differs from the token sampled
+        in its place, and that sampled token. A sequence with a generator is left where plain decoding
+        leaves it: as many draws as tokens kept."""
+        out: list[tuple[Sequence, tuple[SampledToken, ...]]] = []
+        i = 0
+        while i < len(draws):
+            seq = draws[i].seq
+            kept = [tokens[i]]
+            rejected = False
+            while i + 1 < len(draws) and draws[i + 1].seq is seq:  # its draft rows, in order
+                i += 1
+                # After a rejected draft, the rows were computed for tokens that are not there.
+                rejected = rejected or kept[-1].token_id != draws[i].ahead[-1]
+                if not rejected:
+                    kept.append(tokens[i])
+            state = generator_states.get(seq.seq_id)
+            if state is not None and len(kept) < len(draws[i].ahead) + 1:
+                seq.generator.set_state(state)
+                for _ in kept:
+                    torch.rand((), dtype=torch.float64, generator=seq.generator)
+            out.append((seq, tuple(kept)))
+            i += 1
+        return out
+
+    @staticmethod
+    def _generator_states(draws: list[Draw]) -> dict[int, torch.Tensor]:
+        """The generator state, before this step's draws, of each drafting sequence that draws at random."""
+        return {
+            d.seq.seq_id: d.seq.generator.get_state()
+            for d in draws
+            if len(d.ahead) == 1 and d.seq.generator is not None and d.seq.params.temperature >= GREEDY_EPS
+        }
+
     def _score_prompts(
-        self, entries: tuple[ScheduledSequence, ...], hidden: torch.Tensor, query_start_loc: list[int]
+        self, entries: tuple[ScheduledSequence, ...], hidden: torch.Tensor, entry_rows: list[list[int]]
     ) -> list[PromptScores]:
         """For each entry that asked for prompt logprobs: the row of position p scores prompt token p + 1."""
         out = []
-        for entry, row0 in zip(entries, query_start_loc):
+        for entry, rows in zip(entries, entry_rows):
             seq = entry.seq
             if seq.params.prompt_logprobs is None or seq.num_output_tokens:
                 continue
@@ -159,16 +268,18 @@ class ModelRunner:
             )  # positions whose next token is in the prompt
             if end <= start:
                 continue
+            row0 = rows[0]  # prompt rows are consecutive (StepLayout)
             targets = torch.tensor(seq.prompt_token_ids[start + 1 : end + 1], device=self.device)
             scores: list[TokenScore] = []
             for i in range(0, end - start, SCORE_ROWS):
-                rows = hidden[row0 + i : row0 + min(i + SCORE_ROWS, end - start)]  # (R, hidden)
-                logits = self.model.compute_logits(rows).float().cpu()  # (R, vocab)
-                scores += score_tokens(logits, targets[i : i + rows.shape[0]].cpu(), seq.params.prompt_logprobs)
+                chunk = hidden[row0 + i : row0 + min(i + SCORE_ROWS, end - start)]  # (R, hidden)
+                logits = self.model.compute_logits(chunk).float().cpu()  # (R, vocab)
+                scores += score_tokens(logits, targets[i : i + chunk.shape[0]].cpu(), seq.params.prompt_logprobs)
             out.append(PromptScores(seq, start + 1, scores))
         return out
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, draw: Draw) -> SamplingRow:
+        seq = draw.seq
         if seq.generator is None:
             # Created once per sequence and kept across preemption, so a resumed sequence
             # continues the same random stream and yields the same tokens.
@@ -179,7 +290,7 @@ class ModelRunner:
             params=seq.params,
             generator=seq.generator,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=tuple(seq.output_token_ids),
+            output_token_ids=tuple(seq.output_token_ids) + draw.ahead,
             eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=seq.bad_words_token_ids,
             fixed=seq.logits_inputs,

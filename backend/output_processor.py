@@ -6,8 +6,10 @@ cumulative counts, all copied into a frozen StepOutput. Later layers carry these
 
 Each sequence that got a token gets its own message, so siblings that finish in the same step each
 keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason is decided here exactly
-once. It changes no scheduling state: the scheduler has appended the step's tokens before, and frees
-the sequences this returns as finished after (backend/engine.py's step).
+once. A step may bring a sequence several tokens (accepted drafts: backend/speculation.py); they go in
+its one message, each judged in turn exactly as it would be alone, and a token that finishes the
+sequence drops the ones after it. It changes no other scheduling state: the scheduler has appended the
+step's tokens before, and frees the sequences this returns as finished after (backend/engine.py's step).
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(request_id, list(sequences))
 
     def process(self, output: RunnerOutput) -> tuple[list[StepOutput], list[Sequence]]:
-        """One message per (sequence, new token), in the order the tokens were sampled, and the
-        sequences that finished (for the scheduler to free). The tokens are already appended to their
-        sequences. Prompt scores are kept on their sequence until it samples: its first message
-        carries them all."""
+        """One message per sequence that got tokens, in the order they were sampled, and the sequences
+        that finished (for the scheduler to free). The tokens are already appended to their sequences;
+        tokens past the one that finished a sequence are dropped from it. Prompt scores are kept on their
+        sequence until it samples: its first message carries them all."""
         for chunk in output.prompt_scores:
             self._keep_prompt_scores(chunk)
-        messages = [self._on_token(seq, tok) for seq, tok in output.sampled]
+        messages = [self._on_tokens(seq, toks) for seq, toks in output.sampled]
         return messages, [seq for (seq, _), m in zip(output.sampled, messages) if m.finished]
 
     def abort_sequences(self, sequences: list[Sequence]) -> list[StepOutput]:
@@ -98,10 +100,49 @@ class OutputProcessor:
             leader.prompt_scores = None
         return leader.prompt_logprobs
 
-    def _on_token(self, seq: Sequence, tok: SampledToken) -> StepOutput:
-        assert seq.output_token_ids and seq.output_token_ids[-1] == tok.token_id, "the scheduler appends first"
+    def _on_tokens(self, seq: Sequence, toks: tuple[SampledToken, ...]) -> StepOutput:
+        """The step's message of seq: its new tokens (several when drafted tokens were accepted), each
+        judged in turn as if it came alone; a token that finishes the sequence drops those after it."""
+        before = seq.num_output_tokens - len(toks)
+        assert tuple(seq.output_token_ids[before:]) == tuple(t.token_id for t in toks), "the scheduler appends first"
+        texts: list[str] = []
+        token_texts: list[str] = []
+        finish: FinishReason | None = None
+        stop_reason: str | int | None = None
+        for i, tok in enumerate(toks):
+            finish, stop_reason, text, token_text = self._judge(seq, tok, before + i + 1)
+            texts.append(text)
+            token_texts.append(token_text)
+            if finish is not None:
+                break
+        kept = toks[: len(texts)]
+        if len(kept) < len(toks):
+            seq.drop_output_after(before + len(kept))
         params = seq.params
-        num_output = seq.num_output_tokens
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = TokenLogprobs(
+                logprobs=tuple(t.logprob for t in kept),
+                token_texts=tuple(token_texts),
+                top_token_ids=tuple(t.top_token_ids for t in kept),
+                top_logprobs=tuple(t.top_logprobs for t in kept),
+                top_token_texts=tuple(tuple(self.tokenizer.token_text(i) for i in t.top_token_ids) for t in kept),
+            )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and seq.next_step == 0:
+            prompt_logprobs = self._prompt_logprobs(seq)
+        token_ids = tuple(t.token_id for t in kept)
+        text = "".join(texts)
+        if finish is not None:
+            return self._finish_message(seq, token_ids, text, logprobs, finish, stop_reason, prompt_logprobs)
+        return self._message(seq, token_ids, text, logprobs, None, None, False, prompt_logprobs)
+
+    def _judge(
+        self, seq: Sequence, tok: SampledToken, num_output: int
+    ) -> tuple[FinishReason | None, str | int | None, str, str]:
+        """One new token, the sequence's `num_output`-th: (finish, stop reason, the text it releases, its
+        own text for its logprob entry); advances the grammar, detokenizer and stop-string matcher."""
+        params = seq.params
         may_stop = num_output >= params.min_tokens
 
         grammar_ended = grammar_broken = False
@@ -124,7 +165,7 @@ class OutputProcessor:
             finish = FinishReason.STOP
         elif (
             params.max_tokens is not None and num_output >= params.max_tokens
-        ) or seq.num_tokens >= self.max_model_len:
+        ) or seq.num_prompt_tokens + num_output >= self.max_model_len:
             finish = FinishReason.LENGTH
 
         if stop_token and not params.include_stop_str_in_output:
@@ -147,22 +188,7 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP, matched
             elif finish is not None:
                 text += seq.stop_matcher.flush()
-
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = TokenLogprobs(
-                logprobs=(tok.logprob,),
-                token_texts=(token_text,),
-                top_token_ids=(tok.top_token_ids,),
-                top_logprobs=(tok.top_logprobs,),
-                top_token_texts=(tuple(self.tokenizer.token_text(t) for t in tok.top_token_ids),),
-            )
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None and seq.next_step == 0:
-            prompt_logprobs = self._prompt_logprobs(seq)
-        if finish is not None:
-            return self._finish_message(seq, (tok.token_id,), text, logprobs, finish, stop_reason, prompt_logprobs)
-        return self._message(seq, (tok.token_id,), text, logprobs, None, None, False, prompt_logprobs)
+        return finish, stop_reason, text, token_text
 
     def _finish_message(
         self,

@@ -81,7 +81,7 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[
     likely has exactly the logprob of the top-1 alternative.
     """
     raw = logits.float()  # (R, V)
-    log_norm = raw.logsumexp(dim=-1, keepdim=True)  # (R, 1)
+    log_norm = _log_norm(raw)  # (R, 1)
     chosen = raw.gather(1, token_ids[:, None])  # (R, 1)
     logprobs = (chosen - log_norm).squeeze(1).tolist()  # (R,)
     ranks = ((raw > chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()  # (R,); int32: bools summed into int64 are slow
@@ -284,6 +284,15 @@ def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- logprobs and results
 
 
+def _log_norm(logits: torch.Tensor) -> torch.Tensor:
+    """(R, 1) fp32 logsumexp of each row of logits (R, V), the same bits whatever rows share the batch.
+
+    torch's fp32 reduction sums a row in an order that depends on the batch (a lone row is split over
+    threads); summed in float64, the order changes nothing the rounding to fp32 keeps.
+    """
+    return logits.double().logsumexp(dim=-1, keepdim=True).float()
+
+
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     ids = token_ids.tolist()
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -295,7 +304,7 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[Sampli
     else:
         sel = torch.tensor(wanted, device=raw.device)
         sub, tokens = raw[sel], token_ids[sel]  # (L, V), (L,)
-    log_norm = sub.logsumexp(dim=-1, keepdim=True)  # (L, 1)
+    log_norm = _log_norm(sub)  # (L, 1)
     sampled = (sub.gather(1, tokens[:, None]) - log_norm).squeeze(1).tolist()  # (L,)
     ks = [min(rows[i].params.logprobs, MAX_LOGPROBS) for i in wanted]
     k_max = min(max(ks), raw.shape[1])

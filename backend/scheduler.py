@@ -19,6 +19,12 @@ blocks allow, stopping at the first that does not fit. num_computed_tokens is ad
 step is scheduled; after the model ran, `update_from_output` appends the sampled tokens, and the
 engine calls `finish` for the sequences the output processor found finished.
 
+Speculative decoding: a decoding sequence with `draft_token_ids` runs them after its last token in the
+same entry (1 + d tokens, blocks allocated for all, the budget charged for all; drafts that do not fit
+are dropped, never a reason to preempt). Only the last token counts as computed when scheduled; after
+the model ran, `update_from_output` adds the drafts it accepted, so prefix-cache digests only ever
+cover accepted tokens. Blocks past the accepted tokens stay in the table and are written again.
+
 n > 1: the request's sequence 0 (the leader) prefills alone; its siblings wait as FORK_PENDING.
 When the leader samples for the first time they are forked from it (sharing its blocks, ref-counted)
 and sample their first token from the leader's logits row; after that each runs on its own.
@@ -58,12 +64,19 @@ class ScheduledSequence:
     block_table: tuple[int, ...]  # after this step's allocation
     samples: bool  # the logits of its last token are sampled (it caught up with num_tokens)
     forked: tuple[Sequence, ...]  # siblings forked this step: each samples from this entry's logits row
+    draft_token_ids: tuple[int, ...] = ()  # token_ids[1:] when drafted: each of its rows is sampled
+
+    @property
+    def is_decode(self) -> bool:
+        """One token past the computed ones, and its drafts. (How each row attends is the model
+        runner's: by whether its token is a prompt token, backend/model_runner.py's StepLayout.)"""
+        return self.num_new_tokens == 1 + len(self.draft_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    scheduled: tuple[ScheduledSequence, ...]  # entries with 1 new token first (the decode batch), then the rest
-    num_decode_seqs: int
+    scheduled: tuple[ScheduledSequence, ...]  # decode entries (`is_decode`) first, then the rest
+    num_decode_seqs: int  # the decode entries
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (src, dst), to apply in order before the forward
     preempted: tuple[Sequence, ...]
     total_tokens: int
@@ -147,7 +160,16 @@ class Scheduler:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new >= 1, f"{seq} is running with nothing to compute"
-            while (alloc := self.block_manager.allocate(seq, num_new)) is None:
+            drafts, seq.draft_token_ids = seq.draft_token_ids, ()
+            alloc = None
+            if drafts and seq.num_tokens - seq.num_computed_tokens == 1:
+                drafts = drafts[: budget - 1]
+                alloc = self.block_manager.allocate(seq, 1 + len(drafts)) if drafts else None
+            if alloc is not None:
+                num_new += len(drafts)
+            else:
+                drafts = ()
+            while alloc is None and (alloc := self.block_manager.allocate(seq, num_new)) is None:
                 victim = self._running.pop()  # the latest arrived; always at index >= i
                 self._preempt(victim)
                 preempted.append(victim)
@@ -155,7 +177,7 @@ class Scheduler:
                     break
             if alloc is None:
                 break  # seq preempted itself: everything after it is gone too
-            forked = self._commit(seq, num_new, alloc, entries, copies)
+            forked = self._commit(seq, num_new, alloc, entries, copies, drafts)
             budget -= num_new
             i += 1 + len(forked)  # forked siblings were inserted right after seq and have nothing to compute
 
@@ -183,19 +205,24 @@ class Scheduler:
                 self._commit(seq, num_new, alloc, entries, copies)
                 budget -= num_new
 
-        decodes = [e for e in entries if e.num_new_tokens == 1]
+        decodes = [e for e in entries if e.is_decode]
         return SchedulerOutput(
-            scheduled=tuple(decodes + [e for e in entries if e.num_new_tokens != 1]),
+            scheduled=tuple(decodes + [e for e in entries if not e.is_decode]),
             num_decode_seqs=len(decodes),
             blocks_to_copy=tuple(copies),
             preempted=tuple(preempted),
             total_tokens=self.config.max_num_batched_tokens - budget,
         )
 
-    def update_from_output(self, sampled: list[tuple[Sequence, int]]) -> None:
-        """After the model ran: each sampling sequence gets its new token."""
-        for seq, token_id in sampled:
-            seq.append_token(token_id)
+    def update_from_output(self, sampled: list[tuple[Sequence, tuple[int, ...]]]) -> None:
+        """After the model ran: each sampling sequence gets its new tokens, its accepted drafts and the
+        token after them; the accepted drafts' K/V was computed this step."""
+        for seq, token_ids in sampled:
+            for token_id in token_ids:
+                seq.append_token(token_id)
+            if len(token_ids) > 1:
+                seq.num_computed_tokens += len(token_ids) - 1
+                self.block_manager.mark_computed(seq)
 
     def finish(self, seq: Sequence, cache: bool = True) -> list[Sequence]:
         """End seq (and, for a leader that has not forked yet, its pending siblings); free their
@@ -240,11 +267,13 @@ class Scheduler:
         alloc: Allocation,
         entries: list[ScheduledSequence],
         copies: list[tuple[int, int]],
+        drafts: tuple[int, ...] = (),
     ) -> tuple[Sequence, ...]:
-        """Advance seq by num_new tokens, record its entry, fork its siblings if it samples first."""
+        """Advance seq by num_new tokens (drafts not counted), record its entry, fork its siblings if it
+        samples first."""
         start = seq.num_computed_tokens
-        token_ids = seq.token_slice(start, start + num_new)
-        seq.num_computed_tokens += num_new
+        token_ids = seq.token_slice(start, start + num_new - len(drafts)) + drafts
+        seq.num_computed_tokens += num_new - len(drafts)
         self.block_manager.mark_computed(seq)
         samples = seq.num_computed_tokens == seq.num_tokens
         forked: tuple[Sequence, ...] = ()
@@ -268,6 +297,7 @@ class Scheduler:
                 block_table=self.block_manager.block_table(seq),
                 samples=samples,
                 forked=forked,
+                draft_token_ids=drafts,
             )
         )
         return forked

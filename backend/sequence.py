@@ -5,10 +5,11 @@ and when it samples for the first time the scheduler forks the others (FORK_PEND
 so they share the prompt's KV blocks and each samples its first token from the leader's logits.
 
 The scheduler reads and advances `num_computed_tokens` and `status`, records `num_cached_tokens` at
-the first admission, appends the sampled tokens and frees finished sequences; the engine owns the
-opaque per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`, `finish_reason`,
-`grammar`, `logits_inputs`, `prompt_scores`, `prompt_logprobs`), which the scheduler never touches.
-No torch here.
+the first admission, appends the sampled tokens and frees finished sequences; it schedules
+`draft_token_ids` (speculative decoding's proposal, set by the engine after a step: backend/speculation.py)
+with the sequence's next decode and clears them. The engine owns the opaque per-sequence slots
+(`generator`, `detokenizer`, `stop_matcher`, `next_step`, `finish_reason`, `grammar`, `logits_inputs`,
+`prompt_scores`, `prompt_logprobs`, `drafting`), which the scheduler never touches. No torch here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Sequence:
         "status",
         "fork_leader",
         "fork_pending",
+        "draft_token_ids",
         # engine-owned, opaque to the scheduler
         "generator",
         "detokenizer",
@@ -57,6 +59,7 @@ class Sequence:
         "logits_inputs",
         "prompt_scores",
         "prompt_logprobs",
+        "drafting",
     )
 
     def __init__(
@@ -85,6 +88,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.fork_leader: Sequence | None = None  # set on siblings 1..n-1
         self.fork_pending: list[Sequence] = []  # on the leader: siblings not yet forked
+        self.draft_token_ids: tuple[int, ...] = ()  # proposed to follow the last token; verified next decode
         self.generator: Any = None
         self.detokenizer: Any = None
         self.stop_matcher: Any = None
@@ -94,6 +98,7 @@ class Sequence:
         self.logits_inputs: Any = None  # logits_processors.FixedInputs, built at its first sampled step
         self.prompt_scores: list[Any] | None = None  # sampler.TokenScore per prompt token 1..P-1, while prefilling
         self.prompt_logprobs: Any = None  # types.PromptLogprobs, built from prompt_scores at the first sample
+        self.drafting: Any = None  # speculation.DraftState, when the engine speculates
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,6 +139,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def drop_output_after(self, num_output_tokens: int) -> None:
+        """Forget the tokens a step accepted past the one that finished the sequence (it ends now)."""
+        del self.output_token_ids[num_output_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def __repr__(self) -> str:
         return (

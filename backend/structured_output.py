@@ -14,9 +14,9 @@ What happens to a constrained request:
    the sampled token. EOS is allowed only where the grammar may end; a matcher that has ended
    (`is_terminated`) finishes its sequence with "stop".
 
-The matcher follows the sequence's own output tokens, which preemption by recompute keeps, so it
-needs no rollback. The vocabulary is the model's (its size may exceed the tokenizer's: the extra
-ids are never allowed).
+The matcher follows the sequence's own output tokens, which preemption by recompute keeps. Only the
+rows of drafted tokens (speculative decoding) move it ahead, to fill their masks, and roll it back. The
+vocabulary is the model's (its size may exceed the tokenizer's: the extra ids are never allowed).
 """
 
 from __future__ import annotations
@@ -99,8 +99,19 @@ class GrammarState:
         """The grammar has ended (its stop token was accepted): nothing may follow."""
         return self._matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, ahead: tuple[int, ...] = ()) -> None:
+        """The tokens allowed next, or after the drafted tokens `ahead` (the matcher is rolled back after).
+        Where the grammar refuses a drafted token, the row gets what it allows there: the row is never
+        kept, as the token sampled in that token's place differs from it."""
+        accepted = 0
+        for token_id in ahead:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        if accepted:
+            self._matcher.rollback(accepted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +125,18 @@ class TokenBitmask:
     rows: tuple[int, ...]
 
     @classmethod
-    def for_rows(cls, states: list[GrammarState | None], vocab_size: int) -> TokenBitmask | None:
-        """One row per sampled sequence (None: unconstrained); None when no row is constrained."""
-        rows = tuple(i for i, s in enumerate(states) if s is not None)
+    def for_rows(
+        cls, states: list[tuple[GrammarState | None, tuple[int, ...]]], vocab_size: int
+    ) -> TokenBitmask | None:
+        """One row per sampled row: its sequence's grammar state (None: unconstrained) and the drafted
+        tokens the row comes after; None when no row is constrained."""
+        rows = tuple(i for i, (s, _) in enumerate(states) if s is not None)
         if not rows:
             return None
         bitmask = _xgr().allocate_token_bitmask(len(states), vocab_size)  # (S, ceil(V / 32)) int32, all allowed
         for i in rows:
-            states[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+            state, ahead = states[i]
+            state.fill_bitmask(bitmask, i, ahead)  # type: ignore[union-attr]
         return cls(bitmask, rows)
 
     def apply(self, logits: torch.Tensor, rows: list[int] | None = None) -> None:

@@ -28,7 +28,8 @@ def smollm2_tokenizer() -> Tokenizer:
     return smollm2_checkpoint().tokenizer
 
 
-def tiny_checkpoint(seed: int = 0) -> Checkpoint:
+def tiny_checkpoint(seed: int = 0, head_dim: int = 16) -> Checkpoint:
+    """head_dim 32: the shape the C++ attention kernels take (16 runs the torch references)."""
     tok = smollm2_tokenizer()
     cfg = LlamaConfig(
         vocab_size=tok.vocab_size,
@@ -37,7 +38,7 @@ def tiny_checkpoint(seed: int = 0) -> Checkpoint:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -69,10 +70,10 @@ def tiny_checkpoint(seed: int = 0) -> Checkpoint:
     return Checkpoint(config=cfg, state_dict=sd, tokenizer=tok)
 
 
-def tiny_engine(**overrides) -> LLMEngine:
+def tiny_engine(head_dim: int = 16, **overrides) -> LLMEngine:
     settings = dict(block_size=8, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), checkpoint=tiny_checkpoint())
+    return LLMEngine(EngineConfig(**settings), checkpoint=tiny_checkpoint(head_dim=head_dim))
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> list[EngineOutput]:

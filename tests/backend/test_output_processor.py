@@ -24,7 +24,7 @@ def request(request_id: str, params: SamplingParams, prompt: str = "Hi") -> tupl
 def step(processor: OutputProcessor, tokens: list[tuple[Sequence, int]]) -> tuple[list[StepOutput], list[Sequence]]:
     for seq, token_id in tokens:  # the scheduler's update_from_output
         seq.append_token(token_id)
-    return processor.process(RunnerOutput(sampled=[(seq, SampledToken(t)) for seq, t in tokens]))
+    return processor.process(RunnerOutput(sampled=[(seq, (SampledToken(t),)) for seq, t in tokens]))
 
 
 def ids(text: str) -> list[int]:

@@ -568,16 +568,21 @@ def test_linear_cpu_paths_match_f_linear(rows, path, bias, with_residual):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_linear_uses_the_kernel_up_to_max_linear_rows_only(monkeypatch):
+def test_linear_runs_more_rows_than_max_linear_rows_as_kernel_slices_with_the_same_bits():
+    """A row's result does not depend on how many rows share the call (speculative decoding's rows, decode
+    rows beside a long prefill chunk): past MAX_LINEAR_ROWS the kernel runs on slices, not oneDNN."""
     if kernel is None:
         pytest.skip("kernel not built")
-    lin = _loaded_linear(64, 48, bias=False)
+    lin = _loaded_linear(64, 48, bias=True)
     calls = []
     lin._kernel = lambda x, *args: calls.append(x.shape[0]) or kernel(x, *args)
+    max_rows = cpu_kernels.MAX_LINEAR_ROWS
+    x, residual = torch.randn(2 * max_rows + 7, 64), torch.randn(2 * max_rows + 7, 48)
     with torch.inference_mode():
-        for rows in (1, 2, cpu_kernels.MAX_LINEAR_ROWS, cpu_kernels.MAX_LINEAR_ROWS + 1, 200):
-            lin(torch.randn(rows, 64))
-    assert calls == [1, 2, cpu_kernels.MAX_LINEAR_ROWS]
+        together = lin(x, residual)
+        alone = torch.cat([lin(x[i : i + 1], residual[i : i + 1]) for i in (0, max_rows, 2 * max_rows + 6)])
+    assert calls[:3] == [max_rows, max_rows, 7]
+    assert torch.equal(together[[0, max_rows, 2 * max_rows + 6]], alone)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 2048])
