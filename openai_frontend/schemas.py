@@ -166,8 +166,8 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _token_ids_as_they_are(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         """A list of integers is one prompt of token ids, taken as it is: the union's other members would
-        first make an error per item (a million for a long prompt, in one call that holds the GIL). Anything
-        else is validated as the union, with the union's errors."""
+        first make an error per item, in one call that holds the GIL. Anything else is validated as the
+        union, with the union's errors."""
         if type(value) is list and value and all(type(item) is int for item in value):
             return value
         return handler(value)

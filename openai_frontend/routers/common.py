@@ -27,9 +27,9 @@ log = logging.getLogger("openai_frontend")
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
-# Request bodies past this size are parsed and validated on the prompt threads (tokenizers.py): a body of a
-# million token ids holds the event loop, and every other request with it, for a tenth of a second; a
-# smaller one takes less time than the hop to a thread and back.
+# Request bodies past this size are parsed and validated on the prompt threads (tokenizers.py): a long
+# token-id prompt would hold the event loop, and every other request with it, while it is parsed; a smaller
+# body takes less time than the hop to a thread and back.
 BODY_INLINE_BYTES = 256 * 1024
 
 
