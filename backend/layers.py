@@ -43,15 +43,16 @@ def parameter(t: torch.Tensor) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x @ W.T (+ b), weights arriving through `load`. On CPU in fp32 three paths:
 
-    - in eager mode, any number of rows: the kernel kernels/cpu_linear.cpp on a copy of W packed in
-      32-column panels, bias and residual added in its epilogue, up to cpu_kernels.MAX_LINEAR_ROWS rows
-      a call. Its rows do not depend on each other, so a row gets the same bits in a decode step, in a
-      long prefill and beside one (speculative decoding and the Responses takeover rely on it). Where
-      it could not be built, one row runs as a split bmm: W viewed as (S, N/S, K) for S threads, one
-      batched matmul, each thread streaming its own slice of W (plain F.linear reads a single row's
-      weights slower);
-    - several rows without the kernel, or under torch.compile: W pre-packed for oneDNN (torch.ops.mkldnn,
-      what torch.compile's CPU freezing uses).
+    - generated tokens' rows (`kernel_rows`, the step's decode rows) and rows of no step (logits): the
+      kernel kernels/cpu_linear.cpp on a copy of W packed in 32-column panels, bias and residual added
+      in its epilogue, up to cpu_kernels.MAX_LINEAR_ROWS rows a call. Where it could not be built, one
+      row runs as a split bmm: W viewed as (S, N/S, K) for S threads, one batched matmul, each thread
+      streaming its own slice of W (plain F.linear reads a single row's weights slower);
+    - prompt rows, several rows without the kernel, or under torch.compile: W pre-packed for oneDNN
+      (torch.ops.mkldnn, what torch.compile's CPU freezing uses).
+    Neither path's row results depend on the other rows of the call, so in eager mode a generated token's
+    row gets the same bits alone, beside a long prefill or among drafted tokens, and a prompt's rows the
+    same bits however the prompt is chunked (speculative decoding and the Responses takeover rely on it).
 
     So on CPU the weight is held three times (plain, panels, oneDNN's). `.to(...)` drops and rebuilds
     the packed copies. A weight that is exactly d * q + m in every run of 32 k (what a Q4_1 GGUF
@@ -101,44 +102,62 @@ class Linear(nn.Module):
         parts = S if N % S == 0 else 1
         self._split = (S, self.weight.view(parts, N // parts, K))  # (S, N/S, K) view
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, K) -> (T, N); with `residual` (T, N), returns residual + x @ W.T in one op."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, kernel_rows: int | None = None
+    ) -> torch.Tensor:
+        """x (T, K) -> (T, N); with `residual` (T, N), returns residual + x @ W.T in one op.
+        kernel_rows: the leading rows that take the kernel (the rest take oneDNN); None: every row."""
         if self._packed is None:
             y = F.linear(x, self.weight, self.bias)  # (T, N)
             return y if residual is None else residual + y
         T = x.shape[0]
-        # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
-        compiling = torch.compiler.is_compiling()
-        if self._kernel is not None and (T == 1 or not compiling):
-            residual = None if residual is None else residual.contiguous()
-            if T <= cpu_kernels.MAX_LINEAR_ROWS:
-                return self._kernel(
-                    x.contiguous(), self.panels_for(T), self.out_features, self.bias, residual
-                )  # (T, N)
-            return self._kernel_in_slices(x.contiguous(), residual)  # (T, N)
-        if T == 1:
-            return self._one_row(x, residual)  # (1, N)
+        if torch.compiler.is_compiling():
+            # A compiled graph serves every batch size >= 2 with one trace, so it must not branch on T there.
+            if T == 1 and self._kernel is not None:
+                return self._kernel_rows(x, residual)  # (1, N)
+            return self._onednn(x, residual, compiling=True)  # (T, N)
+        if self._kernel is None:
+            return self._one_row(x, residual) if T == 1 else self._onednn(x, residual)  # (T, N)
+        k = T if kernel_rows is None else kernel_rows
+        if k >= T:
+            return self._kernel_rows(x, residual)  # (T, N)
+        if k <= 0:
+            return self._onednn(x, residual)  # (T, N)
+        return torch.cat(
+            [
+                self._kernel_rows(x[:k], None if residual is None else residual[:k]),  # (k, N)
+                self._onednn(x[k:], None if residual is None else residual[k:]),  # (T - k, N)
+            ]
+        )
+
+    def _kernel_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """x (T, K) -> (T, N) through the kernel, MAX_LINEAR_ROWS rows a call."""
+        x = x.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        num_rows, rows = x.shape[0], cpu_kernels.MAX_LINEAR_ROWS
+        if num_rows <= rows:
+            return self._kernel(x, self.panels_for(num_rows), self.out_features, self.bias, residual)  # (T, N)
+        return torch.cat(
+            [
+                self._kernel(
+                    x[i : i + rows],
+                    self.panels_for(min(rows, num_rows - i)),
+                    self.out_features,
+                    self.bias,
+                    None if residual is None else residual[i : i + rows],
+                )
+                for i in range(0, num_rows, rows)
+            ]
+        )  # (T, N)
+
+    def _onednn(self, x: torch.Tensor, residual: torch.Tensor | None, compiling: bool = False) -> torch.Tensor:
+        """x (T, K) -> (T, N) through oneDNN's packed weight."""
         if compiling:  # inductor cannot lower the oneDNN op itself: an opaque call
             y = packed_linear(x, self.weight)  # (T, N)
             y = y if self.bias is None else y + self.bias
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # (T, N)
         return y if residual is None else residual + y
-
-    def _kernel_in_slices(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """x (T, K), T > MAX_LINEAR_ROWS -> (T, N): the kernel on consecutive slices of rows."""
-        rows = cpu_kernels.MAX_LINEAR_ROWS
-        slices = [
-            self._kernel(
-                x[i : i + rows],
-                self.panels_for(min(rows, x.shape[0] - i)),
-                self.out_features,
-                self.bias,
-                None if residual is None else residual[i : i + rows],
-            )
-            for i in range(0, x.shape[0], rows)
-        ]
-        return torch.cat(slices)  # (T, N)
 
     def panels_for(self, rows: int) -> torch.Tensor | None:
         """What the kernel reads for `rows` x rows: the Q4 / Q8 panels where there are any and they are

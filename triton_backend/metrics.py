@@ -16,6 +16,8 @@ COUNTERS = {
     "num_preemptions": "Sequences preempted (recomputed later)",
     "aborted_requests": "Requests aborted (client cancelled)",
     "rejected_requests": "Requests refused because too many sequences were waiting (max_waiting_seqs)",
+    "spec_draft_tokens": "Drafted tokens verified (speculative decoding)",
+    "spec_accepted_tokens": "Drafted tokens accepted (speculative decoding)",
 }
 
 

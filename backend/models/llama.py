@@ -135,10 +135,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states (T, C) -> residual + attention output (T, C)."""
         T, H, D = x.shape[0], self.H, self.D
-        qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
+        rows = meta.num_decode_seqs  # decode rows take the linear kernel, prompt rows oneDNN (backend/layers.py)
+        qkv = self.qkv_proj.forward(x, kernel_rows=rows)  # (T, (H + 2*KVH) * D)
         q = rotate_and_store(qkv, cos, sin, kv_cache[0], kv_cache[1], meta, H, self.KVH)  # (T, H, D); K, V cached
         o = attend(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
-        return self.o_proj.forward(o.reshape(T, H * D), residual)  # (T, C)
+        return self.o_proj.forward(o.reshape(T, H * D), residual, kernel_rows=rows)  # (T, C)
 
 
 class LlamaMLP(nn.Module):
@@ -148,10 +149,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(C, 2 * Fw, False, device, dtype)  # gate, up stacked
         self.down_proj = Linear(Fw, C, False, device, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
         """x: the normed hidden states (T, C) -> residual + MLP output (T, C)."""
-        gate_up = self.gate_up_proj.forward(x)  # (T, 2F)
-        return self.down_proj.forward(silu_mul(gate_up), residual)  # (T, C)
+        gate_up = self.gate_up_proj.forward(x, kernel_rows=kernel_rows)  # (T, 2F)
+        return self.down_proj.forward(silu_mul(gate_up), residual, kernel_rows=kernel_rows)  # (T, C)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -171,7 +172,9 @@ class LlamaDecoderLayer(nn.Module):
         # calls per layer, times every layer, on every step (batch-1 decode is overhead-bound).
         # The residual add happens inside o_proj and down_proj.
         x = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta, residual=x)  # (T, C)
-        return self.mlp.forward(self.post_attention_layernorm.forward(x), residual=x)  # (T, C)
+        return self.mlp.forward(
+            self.post_attention_layernorm.forward(x), residual=x, kernel_rows=meta.num_decode_seqs
+        )  # (T, C)
 
 
 # For torch.compile (backend/compiled_decode.py): every layer runs the same graph, traced and compiled

@@ -585,6 +585,23 @@ def test_linear_runs_more_rows_than_max_linear_rows_as_kernel_slices_with_the_sa
     assert torch.equal(together[[0, max_rows, 2 * max_rows + 6]], alone)
 
 
+def test_linear_kernel_rows_take_the_kernel_and_the_rest_onednn_each_row_as_alone():
+    """A step's decode rows (kernel_rows) get the bits of a decode step; its prompt rows the bits of
+    oneDNN whatever the chunk: neither depends on the rest of the call."""
+    if kernel is None:
+        pytest.skip("kernel not built")
+    lin = _loaded_linear(64, 48, bias=False)
+    x, residual = torch.randn(300, 64), torch.randn(300, 48)
+    with torch.inference_mode():
+        mixed = lin(x, residual, kernel_rows=5)
+        decode_alone = torch.cat([lin(x[i : i + 1], residual[i : i + 1], kernel_rows=1) for i in range(5)])
+        prompt_chunks = torch.cat(
+            [lin(x[5:40], residual[5:40], kernel_rows=0), lin(x[40:], residual[40:], kernel_rows=0)]
+        )
+    assert torch.equal(mixed[:5], decode_alone)
+    assert torch.equal(mixed[5:], prompt_chunks)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 2048])
 @pytest.mark.parametrize("path", ["kernel", "hypot"])
 def test_rms_norm_cpu_paths_match_f_rms_norm(rows, path, monkeypatch):
