@@ -272,7 +272,8 @@ class ResponseStore:
                 try:
                     await (await conn.get_raw_connection()).driver_connection.execute(_INSERT_RESPONSE_PG, *values)
                 except BaseException:  # (its state unknown, this connection is not used again)
-                    await conn.invalidate()
+                    with contextlib.suppress(*_UNAVAILABLE_ERRORS):
+                        await conn.invalidate()
                     raise
 
     async def get(self, response_id: str) -> StoredResponse | None:
