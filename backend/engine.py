@@ -1,7 +1,7 @@
 """The engine: one `step()` = schedule -> run the model -> process outputs.
 
 One thread owns an engine (the engine thread of backend/engine_loop.py, a benchmark, a test): it builds
-it and calls add_request, abort_request, has_work, step and stats. `make_request` alone is safe from any
+it and calls add_request, abort_request, has_work, step, stats and, at the end, close. `make_request` alone is safe from any
 thread (backend/input_processor.py): Triton's execute thread calls it while the engine steps. Requests
 enter with `add_request` and leave through the StepOutputs that `step` returns.
 """
@@ -299,6 +299,10 @@ class LLMEngine:
 
     def _num_waiting_seqs(self) -> int:
         return self.scheduler.num_waiting_seqs + sum(r.params.n for r, _ in self._compiling.values())
+
+    def close(self) -> None:
+        """Ends what the engine started beside its thread (the grammar compiler's worker processes)."""
+        self.structured_outputs.close()
 
     def stats(self) -> EngineStats:
         kv = self.block_manager.stats()

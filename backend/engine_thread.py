@@ -144,6 +144,7 @@ class EngineThread(Generic[Sink]):
                 logger.exception("engine loop iteration failed")
                 time.sleep(IDLE_WAIT_S)
         self._fail_running()
+        self.engine.close()
 
     def _step(self) -> None:
         start = time.perf_counter()

@@ -114,6 +114,9 @@ class StandInEngine:
     def _seqs_running(self) -> int:
         return sum(len(r.produced) - r.finished for r in self._running.values())
 
+    def close(self) -> None:
+        """Nothing to end: LLMEngine's interface."""
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self._seqs_running(),

@@ -105,7 +105,8 @@ def test_more_decoding_sequences_ration_drafts():
 
 
 def test_a_rows_logits_do_not_depend_on_how_many_rows_its_sequence_has_in_the_step():
-    """Positions P..P+k as k+1 single-row decode steps, and as one step of k+1 rows: the same bits."""
+    """Positions P..P+k as k+1 single-row decode steps, and as one step of k+1 rows: the same bits; and a
+    prompt in one chunk or in three: the same K/V and last logits."""
     ckpt = tiny_checkpoint(head_dim=32)
     model = build_model(ckpt.config)
     model.load_weights(ckpt.state_dict)
@@ -142,7 +143,15 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_its_sequence_has_in_the_st
         one_by_one = torch.cat([step(kv, [t], len(prompt) + i, True) for i, t in enumerate(follow)])
         kv = fresh()
         together = step(kv, follow, len(prompt), True)
+        # A prompt's rows are prefill rows however it is chunked (a lone last token too): the same K/V.
+        whole = allocate_kv_caches(cfg.num_hidden_layers, 8, bs, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+        last_whole = step(whole, prompt, 0, rows_as_decodes=False)[-1]
+        chunked = allocate_kv_caches(cfg.num_hidden_layers, 8, bs, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+        for a, b in ((0, 10), (10, 22), (22, 23)):
+            last_chunked = step(chunked, prompt[a:b], a, rows_as_decodes=False)[-1]
     assert torch.equal(one_by_one, together)
+    assert torch.equal(last_whole, last_chunked)
+    assert all(torch.equal(x, y) for layer_a, layer_b in zip(whole, chunked) for x, y in zip(layer_a, layer_b))
 
 
 # ---------------------------------------------------------------- the engine: the same outputs
