@@ -168,6 +168,13 @@ def mixed_requests(count: int, seed: int = 0) -> list[tuple[str, list[int], Samp
         dict(temperature=0.9, top_k=20, presence_penalty=0.7, logprobs=0),
         dict(temperature=0.0, structured_outputs=StructuredOutputs(json='{"type": "object"}'), max_tokens=20),
         dict(temperature=0.6, min_p=0.1, bad_words=("the",), stop_token_ids=(30,)),
+        dict(temperature=0.8, top_p=0.9, prompt_logprobs=2, logprobs=1),
+        dict(
+            temperature=0.0,
+            structured_outputs=StructuredOutputs(
+                json='{"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}'
+            ),
+        ),
     ]
     reqs = []
     for i in range(count):
@@ -209,6 +216,7 @@ def outcome(engine, reqs, abort: dict[str, int] | None = None):
             msgs[-1].finish_reason,
             msgs[-1].stop_reason,
             msgs[-1].num_output_tokens,
+            msgs[0].prompt_logprobs,
         )
     return result
 
@@ -229,9 +237,12 @@ def oracle(engine, truth: dict, seed: int, max_len: int = 6):
     engine.speculator.propose = propose
 
 
-@pytest.mark.parametrize("budget, blocks", [(64, 256), (20, 13)])
-def test_speculation_gives_the_same_tokens_logprobs_and_finishes(budget, blocks):
-    reqs = mixed_requests(40)
+@pytest.mark.parametrize(
+    "count, budget, blocks",
+    [(40, 64, 256), (40, 20, 13), pytest.param(200, 64, 256, marks=pytest.mark.slow)],
+)
+def test_speculation_gives_the_same_tokens_logprobs_and_finishes(count, budget, blocks):
+    reqs = mixed_requests(count)
     settings = dict(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=96)
     plain = outcome(new_engine(**settings), reqs)
     engine = new_engine(speculative="ngram", **settings)
