@@ -1,8 +1,9 @@
 """The engine: one `step()` = schedule -> run the model -> process outputs.
 
 One thread owns an engine (the engine thread of backend/engine_loop.py, a benchmark, a test): it builds
-it and calls add_request, abort_request, has_work, step, stats and, at the end, close. `make_request` alone is safe from any
-thread (backend/input_processor.py): Triton's execute thread calls it while the engine steps. Requests
+it and calls add_request, abort_request, has_work, step, stats and, at the end, close. `make_request`
+alone is safe from any thread (backend/input_processor.py): Triton's execute thread calls it while the
+engine steps. Requests
 enter with `add_request` and leave through the StepOutputs that `step` returns.
 """
 

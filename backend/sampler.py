@@ -287,10 +287,12 @@ def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 def _log_norm(logits: torch.Tensor) -> torch.Tensor:
     """(R, 1) fp32 logsumexp of each row of logits (R, V), the same bits whatever rows share the batch.
 
-    torch's fp32 reduction sums a row in an order that depends on the batch (a lone row is split over
-    threads); summed in float64, the order changes nothing the rounding to fp32 keeps.
+    torch's fp32 reduction sums a lone row in another order than a row among others (it splits it over
+    threads); the C++ op sums every row on one thread, and without it each row is reduced alone.
     """
-    return logits.double().logsumexp(dim=-1, keepdim=True).float()
+    if (ops := cpu_kernels.layer_ops_for(logits)) is not None:
+        return ops.logsumexp_rows(logits)[:, None]
+    return torch.stack([row.logsumexp(dim=-1) for row in logits])[:, None] if logits.shape[0] else logits[:, :1]
 
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

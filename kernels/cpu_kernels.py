@@ -19,7 +19,7 @@ threaded with torch's intra-op threads:
 - `llm_cpu::rms_norm`, `llm_cpu::rope_store_kv`, `llm_cpu::silu_mul` (cpu_layer_ops.cpp): a layer's
   element-wise steps, one op each instead of ~40 small torch ops per layer. References: `rms_norm_ref`,
   `rope_store_kv_ref`, `silu_mul_ref`. With them `llm_cpu::argmax_rows` (the sampler's greedy choice;
-  reference torch.argmax).
+  reference torch.argmax) and `llm_cpu::logsumexp_rows` (the logprobs' normalizer; reference torch.logsumexp).
 - `llm_cpu::decoder_layer` (cpu_decoder_layer.cpp): a whole decoder layer of a decode-only step, the ops
   above called from C++ in LlamaDecoderLayer.forward's order (its reference: that forward itself).
 
@@ -83,6 +83,7 @@ class LayerOps:
     rope_store_kv: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     argmax_rows: Callable[..., torch.Tensor]  # reference: torch.argmax(x, dim=-1)
+    logsumexp_rows: Callable[..., torch.Tensor]  # reference: torch.logsumexp(x, dim=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,11 @@ def load() -> bool:
                 paged_prefill=ops.paged_prefill.default,
                 decoder_layer=ops.decoder_layer.default,
                 layer_ops=LayerOps(
-                    ops.rms_norm.default, ops.rope_store_kv.default, ops.silu_mul.default, ops.argmax_rows.default
+                    ops.rms_norm.default,
+                    ops.rope_store_kv.default,
+                    ops.silu_mul.default,
+                    ops.argmax_rows.default,
+                    ops.logsumexp_rows.default,
                 ),
             )
     return _kernels is not None
@@ -157,6 +162,7 @@ def _build() -> bool:
         lambda qkv, cos, sin, k_cache, v_cache, slots, H, KVH: qkv.new_empty(qkv.shape[0], H, k_cache.shape[-1])
     )
     torch.library.register_fake("llm_cpu::argmax_rows")(lambda x: x.new_empty(x.shape[0], dtype=torch.int64))
+    torch.library.register_fake("llm_cpu::logsumexp_rows")(lambda x: x.new_empty(x.shape[0]))
     torch.library.register_fake("llm_cpu::silu_mul")(
         lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     )

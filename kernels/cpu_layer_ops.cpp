@@ -4,6 +4,8 @@
 //                          slot_mapping (T,) int64, H, KVH) -> q (T, H, D)
 //   llm_cpu::silu_mul(gate_up (T, 2F)) -> silu(gate) * up (T, F)
 //   llm_cpu::argmax_rows(x (S, V)) -> (S,) int64 (the sampler's greedy choice, as torch.argmax)
+//   llm_cpu::logsumexp_rows(x (S, V)) -> (S,) fp32 (the logprobs' normalizer, as torch.logsumexp, the same
+//                           bits for a row whatever rows share the call)
 //
 // Why: in a decode step the matmuls read the weights at the memory's speed, and what is left is
 // dispatch: ~40 small torch ops per layer (4 for a norm; split, roll, mul, addcmul, two index_copy for
@@ -212,6 +214,52 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// log(sum(exp(x))) of each row, x (S, V) -> (S,) fp32, as torch.logsumexp: the maximum, then the sum of
+// exp(x - max) in four 8-lane accumulators added in a fixed order. One thread a row, so a row's bits do
+// not depend on how many rows share the call (torch splits a lone row over threads and sums it in another
+// order). A row with a NaN gives NaN, a row of -inf gives -inf.
+at::Tensor logsumexp_rows(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, "x must be (S, V) with V >= 1");
+  const int64_t S = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({S}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const float* row = xp + s * V;
+      __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      int64_t v = 0;
+      for (; v + 8 <= V; v += 8) {
+        const __m256 a = _mm256_loadu_ps(row + v);
+        vmax = _mm256_max_ps(vmax, a);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      }
+      float m = llm_cpu::horizontal_max(vmax);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t t = v; t < V; ++t) {
+        has_nan |= std::isnan(row[t]);
+        m = std::max(m, row[t]);
+      }
+      if (has_nan || m == -INFINITY || m == INFINITY) {
+        op[s] = has_nan ? NAN : m;
+        continue;
+      }
+      const __m256 vm = _mm256_set1_ps(m);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      v = 0;
+      for (; v + 32 <= V; v += 32)
+        for (int j = 0; j < 4; ++j)
+          acc[j] = _mm256_add_ps(acc[j], llm_cpu::exp(_mm256_sub_ps(_mm256_loadu_ps(row + v + 8 * j), vm)));
+      for (; v + 8 <= V; v += 8) acc[0] = _mm256_add_ps(acc[0], llm_cpu::exp(_mm256_sub_ps(_mm256_loadu_ps(row + v), vm)));
+      float sum = llm_cpu::horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+      for (; v < V; ++v) sum += std::exp(row[v] - m);
+      op[s] = m + std::log(sum);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 at::Tensor llm_cpu::ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
@@ -227,6 +275,7 @@ TORCH_LIBRARY_FRAGMENT(llm_cpu, m) {
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("logsumexp_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
@@ -234,4 +283,5 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("rope_store_kv", rope_store_kv);
   m.impl("silu_mul", silu_mul);
   m.impl("argmax_rows", argmax_rows);
+  m.impl("logsumexp_rows", logsumexp_rows);
 }

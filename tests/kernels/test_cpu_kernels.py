@@ -785,3 +785,21 @@ def test_argmax_rows_matches_torch_argmax(V):
         layer_ops.argmax_rows(x.double())
     with pytest.raises(RuntimeError, match=r"\(S, V\)"):
         layer_ops.argmax_rows(x[0])
+
+
+@pytest.mark.skipif(layer_ops is None, reason="the llm_cpu kernels could not be built here")
+@pytest.mark.parametrize("V", [1, 7, 8, 13, 40, 49152])
+def test_logsumexp_rows_matches_torch_and_a_row_alone_gets_the_same_bits(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g) * 4
+    x[2] = float("-inf")
+    x[3, V // 2] = float("nan")
+    x[4, -1] = 100.0  # in the scalar tail when V % 8 != 0
+    x[5, 0] = -1e30
+    got = layer_ops.logsumexp_rows(x)
+    expected = x.logsumexp(dim=-1)
+    assert torch.isnan(got[3]) and got[2] == float("-inf")
+    keep = [0, 1, 4, 5, 6, 7, 8]
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(layer_ops.logsumexp_rows(x[i : i + 1]), got[i : i + 1]) for i in keep)
+    assert layer_ops.logsumexp_rows(x[:0]).shape == (0,)
