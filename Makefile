@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-frontend-ab bench-structured bench-responses bench-score perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-spec bench-frontend-ab bench-structured bench-responses bench-score perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -57,6 +57,11 @@ bench-profile: cpu-kernels
 # or ARGS="--env-b GOMP_SPINCOUNT=50000"; none: two identical sets, the method's own spread).
 bench-ab: cpu-kernels
 	$(PY) -m benchmarks.serve_ab $(ARGS)
+
+# Speculative decoding (n-gram prompt lookup) served: A off, B speculative=ngram (plus ARGS="--param-b KEY=VALUE"),
+# on a repetition-friendly greedy chat load (B's answers compared with A's token by token) and bench-serve's load.
+bench-spec: cpu-kernels
+	$(PY) -m benchmarks.spec_bench $(ARGS)
 
 # A frontend change measured: two frontends on one tritonserver, B from a git revision (ARGS="--base HEAD~1")
 # or with other environment (ARGS="--env-b KEY=VALUE"); the frontend's CPU per token and tok/s, paired.
