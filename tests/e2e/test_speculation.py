@@ -5,6 +5,7 @@ several tokens in one step's response where drafts were accepted, and the step c
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from openai import OpenAI
@@ -66,7 +67,10 @@ def test_speculated_streams_equal_plain_ones(servers, speculating, sampling):
     assert text == plain_text and usage == plain_usage
     for index in (0, 1):
         assert [t for c in speculated[index] for t in c] == [t for c in plain[index] for t in c]
-    assert metric_value(triton.metrics_url, "llm_spec_accepted_tokens_total") > accepted_before
+    deadline = time.monotonic() + 10  # the engine publishes its counters once it is idle again
+    while metric_value(triton.metrics_url, "llm_spec_accepted_tokens_total") <= accepted_before:
+        assert time.monotonic() < deadline, "no accepted drafts counted"
+        time.sleep(0.1)
     if sampling["temperature"] == 0.0:  # both copies follow the passage: drafts were accepted, several a chunk
         assert max(len(c) for c in speculated[0]) > 1
         assert len(speculated[0]) < sum(len(c) for c in speculated[0]) == sum(len(c) for c in plain[0])
@@ -88,7 +92,11 @@ def test_speculated_chat_with_a_stop_string_and_a_schema_equals_plain(servers, s
         assert [t.logprob for t in got.choices[0].logprobs.content] == [
             t.logprob for t in expected.choices[0].logprobs.content
         ]
-        assert got.usage == expected.usage
+        # (cached_tokens depends on what each server's prefix cache holds)
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+            expected.usage.prompt_tokens,
+            expected.usage.completion_tokens,
+        )
 
 
 def test_triton_level_stream_keeps_the_step_contract_with_several_tokens_a_step(speculating):
