@@ -165,6 +165,24 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// The largest value of row[0, V) (vector pass, scalar tail); has_nan: whether a NaN is among them.
+float row_max(const float* row, int64_t V, bool& has_nan) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 a = _mm256_loadu_ps(row + v);
+    vmax = _mm256_max_ps(vmax, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  float m = llm_cpu::horizontal_max(vmax);
+  has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; v < V; ++v) {
+    has_nan |= std::isnan(row[v]);
+    m = std::max(m, row[v]);
+  }
+  return m;
+}
+
 // The index of each row's largest value, the first one where several tie, the first NaN where there
 // is one: torch.argmax's answer. x (S, V) -> (S,) int64. Two vector passes per row (the maximum, then
 // where it first is), rows over threads: torch.argmax's reduction is scalar, one thread a row.
@@ -178,19 +196,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * V;
-      __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      bool has_nan = false;
+      const float m = row_max(row, V, has_nan);
       int64_t v = 0;
-      for (; v + 8 <= V; v += 8) {
-        const __m256 a = _mm256_loadu_ps(row + v);
-        vmax = _mm256_max_ps(vmax, a);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      }
-      float m = llm_cpu::horizontal_max(vmax);
-      bool has_nan = _mm256_movemask_ps(nan) != 0;
-      for (; v < V; ++v) {
-        has_nan |= std::isnan(row[v]);
-        m = std::max(m, row[v]);
-      }
       int64_t found = 0;
       if (has_nan) {
         while (!std::isnan(row[found])) ++found;
@@ -228,19 +236,9 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* row = xp + s * V;
-      __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      bool has_nan = false;
+      const float m = row_max(row, V, has_nan);
       int64_t v = 0;
-      for (; v + 8 <= V; v += 8) {
-        const __m256 a = _mm256_loadu_ps(row + v);
-        vmax = _mm256_max_ps(vmax, a);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      }
-      float m = llm_cpu::horizontal_max(vmax);
-      bool has_nan = _mm256_movemask_ps(nan) != 0;
-      for (int64_t t = v; t < V; ++t) {
-        has_nan |= std::isnan(row[t]);
-        m = std::max(m, row[t]);
-      }
       if (has_nan || m == -INFINITY || m == INFINITY) {
         op[s] = has_nan ? NAN : m;
         continue;
