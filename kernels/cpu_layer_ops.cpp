@@ -198,13 +198,12 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       const float* row = xp + s * V;
       bool has_nan = false;
       const float m = row_max(row, V, has_nan);
-      int64_t v = 0;
       int64_t found = 0;
       if (has_nan) {
         while (!std::isnan(row[found])) ++found;
       } else {
         const __m256 target = _mm256_set1_ps(m);
-        v = 0;
+        int64_t v = 0;
         int mask = 0;
         for (; v + 8 <= V; v += 8) {
           if ((mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), target, _CMP_EQ_OQ))) != 0) break;
@@ -238,14 +237,13 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
       const float* row = xp + s * V;
       bool has_nan = false;
       const float m = row_max(row, V, has_nan);
-      int64_t v = 0;
       if (has_nan || m == -INFINITY || m == INFINITY) {
         op[s] = has_nan ? NAN : m;
         continue;
       }
       const __m256 vm = _mm256_set1_ps(m);
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      v = 0;
+      int64_t v = 0;
       for (; v + 32 <= V; v += 32)
         for (int j = 0; j < 4; ++j)
           acc[j] = _mm256_add_ps(acc[j], llm_cpu::exp(_mm256_sub_ps(_mm256_loadu_ps(row + v + 8 * j), vm)));
