@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
@@ -30,6 +32,22 @@ T = TypeVar("T")
 # thread and back, and a small request never queues behind a big one.
 INLINE_WORK_CHARS = 4096
 
+# The worker threads run at this nice value: one request's big prompt or body takes the cores only when
+# nothing else wants them, so on a machine the engine shares (the default deployment) the streams being
+# decoded keep their pace while it is tokenized, rendered or parsed.
+PROMPT_WORK_NICENESS = 10
+
+
+def _lower_thread_priority() -> None:
+    """Starts a worker thread at PROMPT_WORK_NICENESS (Linux: a nice value is per thread, kept by the
+    threads it starts, such as the tokenizer's own pool). Raising one's own nice value needs no privilege."""
+    try:
+        thread = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, thread) < PROMPT_WORK_NICENESS:  # never above the process's own
+            os.setpriority(os.PRIO_PROCESS, thread, PROMPT_WORK_NICENESS)
+    except (AttributeError, OSError):  # no per-thread priority here: the threads run as the loop does
+        pass
+
 
 class TokenizerUnavailable(FrontendError):
     status_code = 501
@@ -43,7 +61,9 @@ class Tokenizers:
         self.override = override
         self.special_tokens_in_content = special_tokens_in_content  # --allow-special-tokens-in-content
         self._loaded: dict[str, asyncio.Task[Tokenizer]] = {}
-        self._workers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prompt-work")
+        self._workers = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="prompt-work", initializer=_lower_thread_priority
+        )
         self._warned: set[str] = set()  # models whose chats go without a tokenizer
 
     async def get(self, model: ModelInfo) -> Tokenizer:

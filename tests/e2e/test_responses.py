@@ -112,11 +112,19 @@ def test_required_tool_call(client, servers):
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
         }
     ]
+    # Greedy and one call: sampled, the model may start call after call until max_output_tokens cuts the array.
     r = client.responses.create(
-        model=servers.model, input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=64
+        model=servers.model,
+        input="Weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        temperature=0,
     )
+    assert r.status == "completed", r.incomplete_details
     calls = [item for item in r.output if item.type == "function_call"]
-    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
     follow = client.responses.create(
         model=servers.model,
         previous_response_id=r.id,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Awaitable
@@ -16,7 +17,7 @@ import pytest
 
 from openai_frontend.app import create_app
 from openai_frontend.settings import Settings, parse_settings
-from openai_frontend.tokenizers import INLINE_WORK_CHARS, Tokenizers
+from openai_frontend.tokenizers import INLINE_WORK_CHARS, PROMPT_WORK_NICENESS, Tokenizers
 from tests.fake_engine import FAKE_MODEL, FakeEngineClient
 
 pytestmark = pytest.mark.asyncio
@@ -102,6 +103,14 @@ async def test_small_prompt_work_runs_inline_and_big_work_on_a_worker_thread() -
     loop_thread = threading.get_ident()
     assert await tokenizers.run(INLINE_WORK_CHARS, threading.get_ident) == loop_thread
     assert await tokenizers.run(INLINE_WORK_CHARS + 1, threading.get_ident) != loop_thread
+
+
+async def test_prompt_work_threads_run_at_a_lower_priority_than_the_loop() -> None:
+    """On a machine the engine shares, a big prompt's work takes only idle cores."""
+    own = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if own() >= PROMPT_WORK_NICENESS:
+        pytest.skip("this test runs at the workers' nice value or above it")
+    assert await Tokenizers(threads=1).run_on_thread(own) == PROMPT_WORK_NICENESS
 
 
 async def test_prompt_threads_is_a_setting() -> None:
