@@ -137,6 +137,7 @@ class Generation:
         finally:
             self.metrics.requests_in_flight.dec()
             self.metrics.in_flight -= 1
+            self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
             if self.record is not None:
                 self._report(self.record)
 

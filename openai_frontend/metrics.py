@@ -33,6 +33,9 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 
+# A whole generation runs far longer than one token: its buckets go on where the token buckets end.
+_E2E_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 320.0, 640.0, 1280.0)
+
 # Paths whose requests are counted under their own label; everything else is "other".
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready", "/metrics")
 
@@ -57,6 +60,12 @@ class Metrics:
             "frontend_inter_token_latency_seconds",
             "Between two consecutive responses of one sequence, per token",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "frontend_e2e_request_latency_seconds",
+            "From request arrival to the end of its engine work (finished, failed or cancelled)",
+            buckets=_E2E_BUCKETS,
             registry=r,
         )
         self.requests_in_flight = Gauge("frontend_requests_in_flight", "Generation requests being served", registry=r)
