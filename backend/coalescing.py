@@ -58,6 +58,7 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
         num_cached_tokens=first.num_cached_tokens,
         request_finished=last.request_finished,
         prompt_logprobs=first.prompt_logprobs,
+        embedding=last.embedding,  # (only ever on a sequence's one, last, message)
     )
 
 

@@ -40,6 +40,7 @@ from protocol import (
     InvalidRequestError,
     RequestFailure,
     SamplingParams,
+    Task,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,10 +151,12 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, task: Task = Task.GENERATE
+    ) -> GenerateRequest:
         """Tokenizes and validates (backend/input_processor.py); raises InvalidRequestError for anything
         the engine cannot run. Safe from any thread."""
-        return self.input_processor.make_request(request_id, prompt, params)
+        return self.input_processor.make_request(request_id, prompt, params, task)
 
     def add_request(self, request: GenerateRequest, admission_group: AdmissionGroup | None = None) -> None:
         """Queues the request; a constrained one joins the scheduler once its grammar is compiled.
@@ -207,6 +210,7 @@ class LLMEngine:
                 params=request.params,
                 arrival=arrival,
                 bad_words_token_ids=request.bad_words_token_ids,
+                embeds=request.task is Task.EMBED,
             )
             for i in range(request.params.n)
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from backend.bad_words import bad_words_token_ids
-from protocol import GenerateRequest, InvalidRequestError, SamplingParams
+from protocol import GenerateRequest, InvalidRequestError, SamplingParams, Task
 
 if TYPE_CHECKING:
     from backend.config import RuntimeInfo
@@ -31,13 +31,20 @@ class InputProcessor:
         self._structured_outputs = structured_outputs  # (its check is thread-safe)
         self._max_token_chars = tokenizer.max_token_chars
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, task: Task = Task.GENERATE
+    ) -> GenerateRequest:
         """Tokenizes and validates; raises InvalidRequestError for anything the engine cannot run."""
         vocab, max_len = self._vocab, self._max_len
+        if task is Task.EMBED and params != SamplingParams():
+            # An embedding runs the prompt alone: nothing is sampled for these fields to shape.
+            raise InvalidRequestError("an embedding request takes no sampling_params", "sampling_params")
+        # A prompt to embed may fill the context; one to continue must leave a token to generate.
+        room = 0 if task is Task.EMBED else 1
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
-            if len(prompt) >= max_len * self._max_token_chars:  # refused without spending time tokenizing it
+            if len(prompt) > max_len * self._max_token_chars - room:  # refused without spending time tokenizing it
                 raise InvalidRequestError(
                     f"the prompt is {len(prompt)} characters, at least {len(prompt) // self._max_token_chars} "
                     f"tokens; this model's context is {max_len} tokens",
@@ -54,13 +61,15 @@ class InputProcessor:
                 )
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        if len(token_ids) >= max_len:
+        if len(token_ids) > max_len - room:
             raise InvalidRequestError(
-                f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens, "
-                "and at least one must be left to generate",
+                f"the prompt is {len(token_ids)} tokens; this model's context is {max_len} tokens"
+                + (", and at least one must be left to generate" if room else ""),
                 "prompt",
                 "context_length_exceeded",
             )
+        if task is Task.EMBED:
+            return GenerateRequest(request_id, token_ids, params, (), task)
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
             # vLLM and OpenAI refuse this too: cutting the answer short at the window would look like
             # a choice of the model's ("length") when the request could never have been met.
@@ -87,4 +96,4 @@ class InputProcessor:
             # a constraint over a size limit, or that does not parse, is refused here; it starts compiling
             self._structured_outputs.check(params.structured_outputs)
         bad = bad_words_token_ids(params.bad_words, lambda w: self._tokenizer.encode(w, add_special_tokens=False))
-        return GenerateRequest(request_id, token_ids, params, bad)
+        return GenerateRequest(request_id, token_ids, params, bad, task)

@@ -4,6 +4,9 @@ Owns the paged KV cache tensors. The batch is flattened: the T tokens of all sch
 in one row, generated tokens (decode rows, drafted tokens among them) first, then prompt chunks
 (`StepLayout`), described to the model by an explicit AttentionMetadata (no globals).
 
+An embedding sequence's last prompt row is pooled instead of sampled: its final-norm hidden state,
+L2-normalised (vLLM's default pooling for decoder models: the last token).
+
 Speculative decoding (backend/speculation.py): each row of a drafted entry is sampled as plain decoding
 would sample it there, with the drafted tokens before it as its history, and a drafted token is kept
 only when it is the token sampled in its place, so the kept tokens are plain decoding's.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from backend import huge_pages
 from backend.attention import AttentionMetadata, allocate_kv_caches
@@ -114,6 +118,8 @@ class RunnerOutput:
     # One per sequence that samples: its new tokens (accepted drafts, then the token sampled after them)
     sampled: list[tuple[Sequence, tuple[SampledToken, ...]]] = field(default_factory=list)
     prompt_scores: list[PromptScores] = field(default_factory=list)  # for sequences that asked for prompt logprobs
+    # One per embedding sequence whose last prompt token ran this step: its pooled vector, (hidden,)
+    embeddings: list[tuple[Sequence, tuple[float, ...]]] = field(default_factory=list)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -172,8 +178,11 @@ class ModelRunner:
         layout = StepLayout.of(batch.scheduled, self.block_size)
         sample_rows: list[int] = []  # hidden rows whose logits are sampled
         draws: list[Draw] = []  # what each sampled sequence row reads, in sampling order
+        pooled: list[tuple[Sequence, int]] = []  # embedding sequences and the hidden row of their last token
         for entry, rows in zip(batch.scheduled, layout.entry_rows):
-            if entry.samples:
+            if entry.samples and entry.seq.embeds:
+                pooled.append((entry.seq, rows[-1]))
+            elif entry.samples:
                 drafts = entry.draft_token_ids
                 for j in range(len(drafts) + 1):
                     sample_rows.append(rows[len(rows) - 1 - len(drafts) + j])
@@ -202,6 +211,8 @@ class ModelRunner:
             meta,
         )
         output = RunnerOutput(prompt_scores=self._score_prompts(batch.scheduled, hidden, layout.entry_rows))
+        if pooled:
+            output.embeddings = self._pool(pooled, hidden)
         if not draws:
             return output
         logits = self.model.compute_logits(hidden[sample_rows])  # (sampled rows, vocab) fp32
@@ -215,6 +226,13 @@ class ModelRunner:
         tokens = self.sampler.sample(logits.float().cpu(), rows, allowed)
         output.sampled = self._accepted(draws, tokens, generator_states)
         return output
+
+    @staticmethod
+    def _pool(pooled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[tuple[Sequence, tuple[float, ...]]]:
+        """Each embedding sequence's vector: the final-norm hidden state of its last prompt token, L2-normalised."""
+        rows = torch.tensor([row for _, row in pooled], device=hidden.device)
+        vectors = F.normalize(hidden[rows].float(), dim=-1).cpu()  # (E, hidden) fp32, unit length
+        return [(seq, tuple(vector.tolist())) for (seq, _), vector in zip(pooled, vectors)]
 
     @staticmethod
     def _accepted(

@@ -8,7 +8,8 @@ Each sequence that got a token gets its own message, so siblings that finish in 
 keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason is decided here exactly
 once. A step may bring a sequence several tokens (accepted drafts: backend/speculation.py); they go in
 its one message, each judged in turn exactly as it would be alone, and a token that finishes the
-sequence drops the ones after it. It changes no other scheduling state: the scheduler has appended the
+sequence drops the ones after it. An embedding sequence gets exactly one message, its last, carrying its
+vector and no tokens. It changes no other scheduling state: the scheduler has appended the
 step's tokens before, and frees the sequences this returns as finished after (backend/engine.py's step).
 """
 
@@ -60,7 +61,11 @@ class OutputProcessor:
         for chunk in output.prompt_scores:
             self._keep_prompt_scores(chunk)
         messages = [self._on_tokens(seq, toks) for seq, toks in output.sampled]
-        return messages, [seq for (seq, _), m in zip(output.sampled, messages) if m.finished]
+        finished = [seq for (seq, _), m in zip(output.sampled, messages) if m.finished]
+        for seq, vector in output.embeddings:  # its prompt is computed: that is all it asked for
+            messages.append(self._finish_message(seq, (), "", None, FinishReason.STOP, None, embedding=vector))
+            finished.append(seq)
+        return messages, finished
 
     def abort_sequences(self, sequences: list[Sequence]) -> list[StepOutput]:
         """A last, token-less message for each sequence an abort ended (the scheduler freed them)."""
@@ -199,6 +204,7 @@ class OutputProcessor:
         finish: FinishReason,
         stop_reason: str | int | None,
         prompt_logprobs: PromptLogprobs | None = None,
+        embedding: tuple[float, ...] | None = None,
     ) -> StepOutput:
         seq.finish_reason = finish
         state = self.requests[seq.request_id]
@@ -206,7 +212,9 @@ class OutputProcessor:
         request_finished = state.num_unfinished == 0
         if request_finished:
             del self.requests[seq.request_id]
-        return self._message(seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs)
+        return self._message(
+            seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs, embedding
+        )
 
     @staticmethod
     def _message(
@@ -218,6 +226,7 @@ class OutputProcessor:
         stop_reason: str | int | None,
         request_finished: bool,
         prompt_logprobs: PromptLogprobs | None = None,
+        embedding: tuple[float, ...] | None = None,
     ) -> StepOutput:
         step = seq.next_step
         seq.next_step += 1
@@ -235,4 +244,5 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens or 0,
             request_finished=request_finished,
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )

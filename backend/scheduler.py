@@ -25,6 +25,11 @@ are dropped, never a reason to preempt). Only the last token counts as computed 
 the model ran, `update_from_output` adds the drafts it accepted, so prefix-cache digests only ever
 cover accepted tokens. Blocks past the accepted tokens stay in the table and are written again.
 
+An embedding sequence (`embeds`) is a prompt and nothing after it: it is scheduled like any prompt (the
+same budget, chunked, served by the prefix cache up to its last token, which is always computed), its
+entry's `samples` marks the step that computes its last prompt token, and the engine finishes it in that
+step with the pooled hidden state instead of a sampled token, so it never decodes.
+
 n > 1: the request's sequence 0 (the leader) prefills alone; its siblings wait as FORK_PENDING.
 When the leader samples for the first time they are forked from it (sharing its blocks, ref-counted)
 and sample their first token from the leader's logits row; after that each runs on its own.

@@ -42,6 +42,7 @@ class Sequence:
         "output_token_ids",
         "params",
         "bad_words_token_ids",
+        "embeds",
         "arrival",
         "num_computed_tokens",
         "num_cached_tokens",
@@ -71,6 +72,7 @@ class Sequence:
         params: SamplingParams,
         arrival: int,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+        embeds: bool = False,
     ) -> None:
         assert len(prompt_token_ids) >= 1, "a sequence needs at least one prompt token"
         self.seq_id = seq_id  # engine-unique; the block manager's key
@@ -80,6 +82,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.bad_words_token_ids = bad_words_token_ids  # params.bad_words, tokenized (backend/bad_words.py)
+        # An embedding request's sequence (Task.EMBED): it runs its prompt, samples nothing, and ends in the
+        # step that computes its last prompt token.
+        self.embeds = embeds
         self.arrival = arrival  # FCFS order; siblings of one request share it
         self.num_computed_tokens = 0
         # Prompt tokens whose KV came from the prefix cache when the sequence was first admitted (None until

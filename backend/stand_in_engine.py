@@ -21,6 +21,7 @@ from protocol import (
     InvalidRequestError,
     SamplingParams,
     StepOutput,
+    Task,
 )
 
 TOKEN_ID = 253  # any id; the text below is what clients see
@@ -45,7 +46,11 @@ class StandInEngine:
         self._tokens = 0
         self._aborted: list[str] = []
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> GenerateRequest:
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, task: Task = Task.GENERATE
+    ) -> GenerateRequest:
+        if task is not Task.GENERATE:
+            raise InvalidRequestError("the stand-in engine only generates", "task")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         ids = tuple(range(len(prompt.split()))) if isinstance(prompt, str) else tuple(prompt)

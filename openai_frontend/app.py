@@ -32,7 +32,7 @@ from openai_frontend.errors import (
 )
 from openai_frontend.metrics import Metrics
 from openai_frontend.request_log import HEADER, RequestIds
-from openai_frontend.routers import chat, completions, health, misc, models, responses, tokenize
+from openai_frontend.routers import chat, completions, embeddings, health, misc, models, responses, tokenize
 from openai_frontend.service import Service
 from openai_frontend.settings import Settings
 from openai_frontend.shutdown import Drain
@@ -68,7 +68,7 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.state.started = int(time.time())
     app.state.drain = Drain(engine, metrics, settings.shutdown_grace_s)
     app.state.drain.hand_over = app.state.service.responses.hand_over
-    for module in (completions, chat, responses, models, health, tokenize, misc):
+    for module in (completions, chat, embeddings, responses, models, health, tokenize, misc):
         app.include_router(module.router)
 
     app.add_exception_handler(FrontendError, _frontend_error)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from protocol import AdmissionGroup, SamplingParams, StepOutput
+from protocol import AdmissionGroup, SamplingParams, StepOutput, Task
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +48,14 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         admission_group: AdmissionGroup | None = None,
+        task: Task = Task.GENERATE,
     ) -> AsyncIterator[StepOutput]:
         """One engine request: yields one StepOutput per sequence per step, in arrival order.
 
         Values are passed on as received (no checking of step order: the service does that).
         `admission_group`: the other engine requests of the same client request (a batch of prompts),
-        which the engine's queue bound admits together with the first.
+        which the engine's queue bound admits together with the first. `task` EMBED: the prompt is run
+        and nothing generated (`params` unused); its one StepOutput carries the embedding.
         Raises InvalidRequest (the engine refused it), EngineFailure or EngineUnavailable. Closing
         the iterator before the end (client gone) cancels the engine request.
         """

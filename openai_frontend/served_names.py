@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import FrontendError, ModelNotFound
-from protocol import AdmissionGroup, SamplingParams, StepOutput
+from protocol import AdmissionGroup, SamplingParams, StepOutput, Task
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +103,12 @@ class NamedEngine:
         params: SamplingParams,
         request_id: str,
         admission_group: AdmissionGroup | None = None,
+        task: Task = Task.GENERATE,
     ) -> AsyncIterator[StepOutput]:
         target = self._target(model)  # known: the services ask model_config first
         if target is None:
             raise ModelNotFound(model)
-        return self._engine.generate(target, prompt, params, request_id, admission_group)
+        return self._engine.generate(target, prompt, params, request_id, admission_group, task)
 
     def abort_all(self, reason: str) -> int:
         return self._engine.abort_all(reason)

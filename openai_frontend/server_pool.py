@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, FrontendError, ModelNotFound
 from openai_frontend.triton_client import TritonEngineClient
-from protocol import AdmissionGroup, SamplingParams, StepOutput
+from protocol import AdmissionGroup, SamplingParams, StepOutput, Task
 
 log = logging.getLogger("openai_frontend")
 
@@ -146,6 +146,7 @@ class ServerPool:
         params: SamplingParams,
         request_id: str,
         admission_group: AdmissionGroup | None = None,
+        task: Task = Task.GENERATE,
     ) -> AsyncIterator[StepOutput]:
         await self._refresh()
         tried: set[str] = set()
@@ -162,7 +163,7 @@ class ServerPool:
             self._m_in_flight.labels(server.url).inc()
             self._m_routed.labels(server.url).inc()
             try:
-                stream = server.client.generate(model, prompt, params, request_id, admission_group)
+                stream = server.client.generate(model, prompt, params, request_id, admission_group, task)
                 try:
                     async for out in stream:
                         started = True

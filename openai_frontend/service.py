@@ -1,4 +1,4 @@
-"""The service layer the routers call: the completions, chat and Responses services, over one engine
+"""The service layer the routers call: the completions, chat, Responses and embeddings services, over one engine
 client, settings, metrics and tokenizers. Each turns a request into typed chunks or one typed response
 (responses.py); SSE framing and JSON encoding are the routers'."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from openai_frontend.chat_service import ChatService
 from openai_frontend.completion_service import CompletionService
+from openai_frontend.embeddings import EmbeddingService
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.metrics import Metrics
 from openai_frontend.responses_api.service import ResponsesService
@@ -23,3 +24,4 @@ class Service:
         self.completions = CompletionService(engine, settings, metrics, self.tokenizers)
         self.chat = ChatService(engine, settings, metrics, self.tokenizers)
         self.responses = ResponsesService(engine, settings, metrics, self.chat)
+        self.embeddings = EmbeddingService(engine, settings)

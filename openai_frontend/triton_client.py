@@ -50,7 +50,7 @@ from openai_frontend.errors import (
     ModelNotFound,
     from_engine_message,
 )
-from protocol import AdmissionGroup, SamplingParams, StepOutput, wire
+from protocol import AdmissionGroup, SamplingParams, StepOutput, Task, wire
 from protocol.sampling import MAX_TOKEN_ID
 
 FINAL_FLAG = "triton_final_response"
@@ -66,9 +66,11 @@ def build_request(
     params: SamplingParams,
     request_id: str,
     admission_group: AdmissionGroup | None = None,
+    task: Task = Task.GENERATE,
 ) -> service_pb2.ModelInferRequest:
     """The ModelInferRequest of the wire contract: text_input or input_ids, plus sampling_params (and
-    the admission group's parameters when the request is one of several of a client request)."""
+    the admission group's parameters when the request is one of several of a client request); an
+    embedding request names its task instead of sampling_params."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     if isinstance(prompt, str):
         _add_bytes_input(request, "text_input", [prompt])
@@ -77,7 +79,10 @@ def build_request(
             raise InvalidRequest(f"prompt token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
         request.inputs.add(name="input_ids", datatype="INT32", shape=[len(prompt)])
         request.raw_input_contents.append(np.asarray(prompt, dtype=np.int32).tobytes())
-    _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
+    if task is Task.GENERATE:
+        _add_bytes_input(request, "sampling_params", [json.dumps(params.to_dict())])
+    else:
+        _add_bytes_input(request, wire.TASK_INPUT, [task.value])
     request.parameters[EMPTY_FINAL].bool_param = True
     request.parameters[wire.SENDS_CANCEL_MESSAGE].bool_param = True  # (generate's `finally`)
     if admission_group is not None:
@@ -312,9 +317,10 @@ class TritonEngineClient:
         params: SamplingParams,
         request_id: str,
         admission_group: AdmissionGroup | None = None,
+        task: Task = Task.GENERATE,
     ) -> AsyncIterator[StepOutput]:
         self.watchdog.check(model)  # a dead engine: 503 at once
-        stream = self._open_stream(build_request(model, prompt, params, request_id, admission_group))
+        stream = self._open_stream(build_request(model, prompt, params, request_id, admission_group, task))
         killed: list[str] = []
 
         def kill(reason: str) -> None:  # the watchdog found the engine dead: end this stream now

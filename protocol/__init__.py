@@ -3,7 +3,7 @@
 Imports neither torch nor anything of backend/ or openai_frontend/: the Triton adapter, the engine
 and the frontend all import it, and nothing here imports them.
 - sampling.py: SamplingParams and StructuredOutputs (validated on construction)
-- messages.py: GenerateRequest, StepOutput, TokenLogprobs, PromptLogprobs, RequestFailure
+- messages.py: GenerateRequest, Task, StepOutput, TokenLogprobs, PromptLogprobs, RequestFailure
 - errors.py: InvalidRequestError, EngineOverloaded
 - wire.py: a StepOutput as Triton tensors, both ways (docs/wire-contract.md)
 """
@@ -17,6 +17,7 @@ from protocol.messages import (
     PromptLogprobs,
     RequestFailure,
     StepOutput,
+    Task,
     TokenLogprobs,
 )
 from protocol.sampling import MAX_LOGPROBS, STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputs, schema_text
@@ -35,6 +36,7 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
     "StructuredOutputs",
+    "Task",
     "TokenLogprobs",
     "schema_text",
 ]

@@ -30,6 +30,13 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the client or failed
 
 
+class Task(str, enum.Enum):
+    """What a request asks of the model."""
+
+    GENERATE = "generate"  # sample tokens after the prompt
+    EMBED = "embed"  # run the prompt only; its result is the pooled last hidden state (docs/embeddings.md)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One request as the engine receives it: already tokenized, already validated."""
@@ -38,6 +45,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    task: Task = Task.GENERATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +98,8 @@ class StepOutput:
     `num_steps` > 1 when a sender that fell behind joined the pending steps `step` .. `step + num_steps - 1`
     of one sequence into one message (backend/coalescing.py; docs/contract.md). `num_cached_tokens` is how many
     prompt tokens had their KV found in the prefix cache when the sequence was admitted (the same on every
-    message of the sequence; 0 without a hit).
+    message of the sequence; 0 without a hit). `embedding` is set only on the one message of an embedding
+    request (Task.EMBED): the final-norm hidden state of its last prompt token, L2-normalised, with no tokens.
     """
 
     request_id: str
@@ -107,6 +116,7 @@ class StepOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_steps: int = 1
     num_cached_tokens: int = 0
+    embedding: tuple[float, ...] | None = None  # (hidden,)
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import AdmissionGroup, FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
+from protocol import AdmissionGroup, FinishReason, InvalidRequestError, PromptLogprobs, StepOutput, Task, TokenLogprobs
 
 # The outputs of every step message.
 STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "num_prompt_tokens", "num_output_tokens")
@@ -27,6 +27,10 @@ NUM_STEPS_OUTPUT = "num_steps"
 # Only in a response of a sequence whose prompt hit the prefix cache; absent means 0 (so a model that does
 # not send it reads as no hit).
 NUM_CACHED_TOKENS_OUTPUT = "num_cached_tokens"
+# Only in the one response of an embedding request: its pooled vector (FP32, [hidden]).
+EMBEDDING_OUTPUT = "embedding"
+# An optional request input (BYTES [1]): the request's Task ("generate" when absent).
+TASK_INPUT = "task"
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
 PROMPT_LOGPROB_OUTPUTS = (
     "prompt_token_ids",
@@ -80,6 +84,17 @@ def admission_group(request_parameters: str) -> AdmissionGroup | None:
     return AdmissionGroup(key, size)
 
 
+def task(value: str | None) -> Task:
+    """The Task a request's `task` input names (absent: generate); an unknown one is refused."""
+    if value is None:
+        return Task.GENERATE
+    try:
+        return Task(value)
+    except ValueError:
+        kinds = ", ".join(t.value for t in Task)
+        raise InvalidRequestError(f"task must be one of {kinds}, not {value!r}", TASK_INPUT) from None
+
+
 class WireError(ValueError):
     """A response that does not follow the contract (a missing or malformed tensor)."""
 
@@ -101,6 +116,8 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
         arrays[NUM_STEPS_OUTPUT] = np.array([out.num_steps], dtype=np.int32)
     if out.num_cached_tokens:
         arrays[NUM_CACHED_TOKENS_OUTPUT] = np.array([out.num_cached_tokens], dtype=np.int32)
+    if out.embedding is not None:
+        arrays[EMBEDDING_OUTPUT] = np.array(out.embedding, dtype=np.float32).reshape(len(out.embedding))
     lp = out.logprobs
     if lp is not None:
         n, k = len(lp.logprobs), _width(lp.top_token_ids)
@@ -155,6 +172,7 @@ def decode_step(tensors: Mapping[str, RawTensor], request_id: str, request_finis
             prompt_logprobs=_decode_prompt_logprobs(tensors),
             num_steps=_num_steps(tensors),
             num_cached_tokens=_num_cached_tokens(tensors),
+            embedding=_floats(tensors[EMBEDDING_OUTPUT]) if EMBEDDING_OUTPUT in tensors else None,
         )
     except WireError:
         raise

@@ -1,7 +1,8 @@
 """FakeEngineClient: an EngineClient that replays scripted StepOutputs (the frontend tests, no Triton).
 
 A script maps (prompt, params) to the items of one engine request, in order: a StepOutput is
-yielded (with the caller's request id), an Exception is raised, a float is an `asyncio.sleep`.
+yielded (with the caller's request id), an Exception is raised, a float is an `asyncio.sleep`. An
+embedding request (Task.EMBED) plays `embed_script(prompt)` instead (default: `embedding_steps`).
 `scripted_steps` builds well-formed StepOutputs (one token per step, interleaved sequences) that
 keep every invariant, so a test breaks exactly the one it is about.
 """
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
-from protocol import AdmissionGroup, FinishReason, SamplingParams, StepOutput, TokenLogprobs
+from protocol import AdmissionGroup, FinishReason, SamplingParams, StepOutput, Task, TokenLogprobs
 
 ScriptItem = StepOutput | Exception | float
 Script = Callable[[str | list[int], SamplingParams], Sequence[ScriptItem]]
+EmbedScript = Callable[[str | list[int]], Sequence[ScriptItem]]
+FAKE_HIDDEN_SIZE = 8
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"  # noqa: E501
@@ -92,6 +95,35 @@ def default_script(prompt: str | list[int], params: SamplingParams) -> list[Scri
     return list(scripted_steps(seqs, "length", prompt_tokens=prompt_tokens, logprobs=params.logprobs))
 
 
+def fake_embedding(prompt: str | list[int], size: int = FAKE_HIDDEN_SIZE) -> tuple[float, ...]:
+    """A stable unit vector of `size` for a prompt (its values depend on the prompt's text or ids)."""
+    seed = sum(prompt.encode("utf-8")) if isinstance(prompt, str) else sum(prompt)
+    raw = [float((seed * (i + 3)) % 17 + 1) for i in range(size)]
+    norm = sum(x * x for x in raw) ** 0.5
+    return tuple(x / norm for x in raw)
+
+
+def embedding_steps(prompt: str | list[int]) -> list[ScriptItem]:
+    """The one StepOutput of an embedding request, as the engine sends it."""
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt.split()))
+    return [
+        StepOutput(
+            request_id="fake",
+            seq_index=0,
+            step=0,
+            token_ids=(),
+            text_delta="",
+            logprobs=None,
+            finish_reason=FinishReason.STOP,
+            stop_reason=None,
+            num_prompt_tokens=prompt_tokens,
+            num_output_tokens=0,
+            request_finished=True,
+            embedding=fake_embedding(prompt),
+        )
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateCall:
     model: str
@@ -99,13 +131,20 @@ class GenerateCall:
     params: SamplingParams
     request_id: str
     admission_group: AdmissionGroup | None = None
+    task: Task = Task.GENERATE
 
 
 class FakeEngineClient:
     def __init__(
-        self, script: Script = default_script, models: Sequence[ModelInfo] = (FAKE_MODEL,), *, available: bool = True
+        self,
+        script: Script = default_script,
+        models: Sequence[ModelInfo] = (FAKE_MODEL,),
+        *,
+        available: bool = True,
+        embed_script: EmbedScript = embedding_steps,
     ) -> None:
         self.script = script
+        self.embed_script = embed_script
         self.models = {m.name: m for m in models}
         self.available = available
         self.calls: list[GenerateCall] = []
@@ -138,14 +177,16 @@ class FakeEngineClient:
         params: SamplingParams,
         request_id: str,
         admission_group: AdmissionGroup | None = None,
+        task: Task = Task.GENERATE,
     ) -> AsyncIterator[StepOutput]:
         self._check_available()
-        self.calls.append(GenerateCall(model, prompt, params, request_id, admission_group))
+        self.calls.append(GenerateCall(model, prompt, params, request_id, admission_group, task))
+        items = self.embed_script(prompt) if task is Task.EMBED else self.script(prompt, params)
         finished: set[int] = set()
         done = False
         self._open += 1
         try:
-            for item in self.script(prompt, params):
+            for item in items:
                 if self._aborting is not None:
                     raise EngineUnavailable(self._aborting)
                 if isinstance(item, Exception):

@@ -76,12 +76,12 @@ class EngineAdapter:
                     self.loop.cancel(_one_string(cancel, "cancel_request_id"))
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                prompt, params = _parse(request)
+                prompt, params, task = _parse(request)
                 key = request.request_id() or None  # what a cancel message names it by
                 parameters = request.parameters()
                 self.loop.make_and_submit(  # made on the input stage's threads: probes never wait for it
                     request_id,
-                    functools.partial(self.engine.make_request, request_id, prompt, params),
+                    functools.partial(self.engine.make_request, request_id, prompt, params, task),
                     sender,
                     key,
                     wire.sends_cancel_message(parameters),
@@ -126,10 +126,12 @@ def _parse(request):
     if (text is None) == (ids is None):
         raise InvalidRequestError("give exactly one of text_input and input_ids", "text_input")
     prompt = _one_string(text, "text_input") if text is not None else [int(t) for t in ids.as_numpy().reshape(-1)]
+    task_input = pb_utils.get_input_tensor_by_name(request, wire.TASK_INPUT)
+    task = wire.task(None if task_input is None else _one_string(task_input, wire.TASK_INPUT))
     sp = pb_utils.get_input_tensor_by_name(request, "sampling_params")
     if sp is None:
-        return prompt, SamplingParams()
-    return prompt, SamplingParams.from_json(_one_string(sp, "sampling_params"))
+        return prompt, SamplingParams(), task
+    return prompt, SamplingParams.from_json(_one_string(sp, "sampling_params")), task
 
 
 def send(sender, output: EngineOutput) -> None:

@@ -13,7 +13,7 @@ from openai_frontend import server_pool
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
 from openai_frontend.server_pool import ServerPool, affinity_key, rendezvous_order
-from protocol import SamplingParams, StepOutput
+from protocol import SamplingParams, StepOutput, Task
 from tests.fake_engine import scripted_steps
 
 pytestmark = pytest.mark.asyncio
@@ -56,7 +56,7 @@ class FakeServer:
         return ModelInfo(model)
 
     async def generate(
-        self, model: str, prompt, params: SamplingParams, request_id: str, admission_group=None
+        self, model: str, prompt, params: SamplingParams, request_id: str, admission_group=None, task=Task.GENERATE
     ) -> AsyncIterator[StepOutput]:
         if self.refuse:
             raise EngineUnavailable(f"{self.url} unreachable")

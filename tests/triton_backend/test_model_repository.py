@@ -51,6 +51,7 @@ def test_the_config_declares_every_output_a_step_message_can_carry():
         *wire.FINISH_OUTPUTS,
         wire.NUM_STEPS_OUTPUT,
         wire.NUM_CACHED_TOKENS_OUTPUT,
+        wire.EMBEDDING_OUTPUT,
         *wire.LOGPROB_OUTPUTS,
         *wire.PROMPT_LOGPROB_OUTPUTS,
     }
