@@ -39,6 +39,7 @@ from openai_frontend.streams import generation, named_errors, primed
 log = logging.getLogger("openai_frontend")
 
 MAX_CONVERSATION_DEPTH = 1024  # previous_response_id links followed for one request
+STOP_PASS_WAIT_S = 5.0  # how long a stop waits for the lease keeper's or sweeper's pass under way
 _ORPHANED = "the frontend generating this response stopped before it finished"
 
 
@@ -53,6 +54,7 @@ class ResponsesService:
         self._runs: dict[str, Run] = {}
         self._tasks: list[asyncio.Task] = []
         self._taking_over: set[str] = set()
+        self._stopping = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -71,9 +73,15 @@ class ResponsesService:
     async def stop(self) -> None:
         """Stop generating; what is unfinished stays owned by its expiring lease, so another frontend (or
         this one restarted) continues the background responses."""
-        for task in self._tasks:
-            task.cancel()
-        # (awaited before the store closes: a sweep cut off by closing its connection under it never ends)
+        # The lease keeper and the sweeper end after the pass under way: a query cancelled mid-way can leave
+        # its connection checked out, open and holding SQLite's lock past the store's close. Cancelled only
+        # when a pass overruns (a store that stopped answering); awaited before the store closes, since a
+        # pass whose connection is closed under it never ends.
+        self._stopping.set()
+        if self._tasks:
+            _, overrunning = await asyncio.wait(self._tasks, timeout=STOP_PASS_WAIT_S)
+            for task in overrunning:
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.hand_over()
         for run in list(self._runs.values()):
@@ -309,8 +317,7 @@ class ResponsesService:
 
     async def _keep_leases(self) -> None:
         period = self.settings.response_lease_s / 3
-        while True:
-            await asyncio.sleep(period)
+        while not await self._stopping_within(period):
             with contextlib.suppress(StoreUnavailable):
                 running = dict(self._runs)  # (a run created while the renewal is under way is not judged by it)
                 held = await self.store.renew(self.owner, time.time() + self.settings.response_lease_s)
@@ -322,7 +329,7 @@ class ResponsesService:
     async def _sweep(self) -> None:
         period = self.settings.response_lease_s / 2
         last_expiry = 0.0
-        while True:
+        while not self._stopping.is_set():
             try:
                 now = time.time()
                 for response_id in await self.store.fail_orphans(now, _failed_orphan):
@@ -339,7 +346,13 @@ class ResponsesService:
                 log.debug("response sweep: store unreachable: %s", e)
             except Exception:
                 log.exception("response sweep failed")
-            await asyncio.sleep(period)
+            await self._stopping_within(period)
+
+    async def _stopping_within(self, seconds: float) -> bool:
+        """Waits `seconds`, or less if the service stops meanwhile; whether it is stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
 
     async def _take_over(self, row: StoredResponse) -> None:
         """Continue a background response whose frontend died: generate it again from the start (the same

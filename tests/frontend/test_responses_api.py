@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from pydantic import TypeAdapter
 
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure
+from openai_frontend.responses_api.store import ResponseStore, StoredResponse
 from openai_frontend.settings import Settings
 from protocol import SamplingParams
 from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
@@ -255,3 +257,42 @@ async def test_a_served_model_alias_reports_the_first_served_name(tmp_path: Path
         r = await client.post("/v1/responses", json={"model": "second-name", "input": "x"})
         assert r.status_code == 200 and r.json()["model"] == "first-name", r.text
         assert (await client.get(f"/v1/responses/{r.json()['id']}")).json()["model"] == "first-name"
+
+
+@pytest.mark.timeout(60)  # (a stop that never ends blocks the loop, past asyncio's own timeout)
+async def test_stops_all_through_the_sweepers_first_pass_end_and_leave_the_store_unlocked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweeper's first pass (orphans, then retention) starts with the app. A stop that closed the store
+    under a pass still running never ended; one that cancelled a query mid-way left its connection open,
+    holding SQLite's lock, so the next start found the store locked. Stops come all through that pass."""
+    settings = Settings(state_dir=str(tmp_path), response_store_max=100)
+    store = ResponseStore.from_url(settings.response_store_url())
+    await store.open()
+    try:
+        old = time.time() - 3600
+        for i in range(420):  # finished, past the cap: the first pass deletes most
+            response_id = f"resp_{i}"
+            await store.create(
+                StoredResponse(
+                    id=response_id,
+                    created_at=old + i,
+                    status="completed",
+                    background=False,
+                    owner=None,
+                    lease_until=None,
+                    previous_response_id=None,
+                    request={"model": MODEL, "input": "x", "seed": 1},
+                    input_items=[],
+                    response={"id": response_id, "object": "response", "status": "completed", "output": []},
+                    last_sequence_number=-1,
+                )
+            )
+    finally:
+        await store.close()
+    for attempt in range(40):
+        app = create_app(FakeEngineClient(), settings)
+        async with asyncio.timeout(20):
+            async with app.router.lifespan_context(app):
+                await asyncio.sleep(attempt * 0.0005)
+    assert "unreachable" not in caplog.text
