@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TOOLS := .tools
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-spec bench-frontend-ab bench-structured bench-responses bench-score perf genai-perf lm-eval soak clean
+.PHONY: venv cpu-kernels lint serve test test-fast bench-engine bench-serve bench-wire bench-profile bench-ab bench-spec bench-frontend-ab bench-structured bench-responses bench-score bench-embed perf genai-perf lm-eval soak clean
 
 # The venv is (re)built only when the pinned requirements change. The machine's pip config
 # (extra local indexes, a torch cap) is left out: requirements.txt says all pip needs.
@@ -80,6 +80,9 @@ bench-responses: cpu-kernels
 # Scoring prompts as lm-eval's loglikelihood requests do (echo + logprobs), served, against transformers.
 bench-score: cpu-kernels
 	$(PY) benchmarks/score_bench.py $(ARGS)
+
+bench-embed: cpu-kernels
+	$(PY) benchmarks/embed_bench.py $(ARGS)
 
 perf: venv
 	$(PY) -m scripts.perf_tools perf
