@@ -40,6 +40,9 @@ class ChatInput:
     add_generation_prompt: bool
     continue_final_message: bool
     template_kwargs: dict[str, Any] | None
+    # The request's field of these messages, which errors about them name: `messages`, or in a batched
+    # chat its conversation's `messages.<i>`.
+    field: str = "messages"
 
     def work_chars(self) -> int:
         """About how much text rendering and tokenizing this chat handles (tokenizers.Tokenizers.run)."""
@@ -86,7 +89,7 @@ def rendered_chat(model: ModelInfo, chat: ChatInput, special_texts: frozenset[st
     )
     spans = markers.spans(text, _render(model, chat, masked))
     if spans is None:
-        where = _request_field(markers.paths[0], len(given.messages) - len(chat.messages))
+        where = _request_field(markers.paths[0], len(given.messages) - len(chat.messages), chat.field)
         raise InvalidRequest(
             f"{where} holds a special token's text, which this model's chat template does not write as "
             "given, so it cannot be kept as plain text; leave it out (the operator may start the "
@@ -97,14 +100,19 @@ def rendered_chat(model: ModelInfo, chat: ChatInput, special_texts: frozenset[st
 
 
 def _render(model: ModelInfo, chat: ChatInput, given: _TemplateInput) -> str:
-    return render_chat(
-        model,
-        given.messages,
-        given.tools,
-        add_generation_prompt=chat.add_generation_prompt,
-        continue_final_message=chat.continue_final_message,
-        template_kwargs=given.kwargs,
-    )
+    try:
+        return render_chat(
+            model,
+            given.messages,
+            given.tools,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            template_kwargs=given.kwargs,
+        )
+    except InvalidRequest as e:
+        if e.param == "messages" and chat.field != "messages":  # the template refused this conversation
+            e.param, e.message = chat.field, f"{chat.field}: {e.message}"
+        raise
 
 
 @lru_cache(maxsize=16)
@@ -180,15 +188,17 @@ def _written_forms(value: str) -> list[str]:
     return list(dict.fromkeys((value, value.strip(), json.dumps(value, ensure_ascii=False)[1:-1], as_json, html_safe)))
 
 
-def _request_field(path: str, inserted_messages: int) -> str:
+def _request_field(path: str, inserted_messages: int, messages_field: str) -> str:
     """The request's field of a template input's path (the tools' system prompt, when the frontend
-    inserts one, comes first among the messages)."""
+    inserts one, comes first among the messages; `messages_field` names the messages in the request)."""
     top, _, rest = path.partition(".")
     if top == "kwargs":
         return f"chat_template_kwargs.{rest}" if rest else "chat_template_kwargs"
-    if top == "messages" and inserted_messages:
+    if top == "messages":
         index, _, field = rest.partition(".")
+        if not index:
+            return messages_field
         if int(index) < inserted_messages:
             return "tools"
-        return f"messages.{int(index) - inserted_messages}.{field}".rstrip(".")
+        return f"{messages_field}.{int(index) - inserted_messages}.{field}".rstrip(".")
     return f"{top}.{rest}".rstrip(".")

@@ -31,7 +31,7 @@ from openai_frontend.responses import (
     StopReason,
     VllmPromptLogprobs,
 )
-from openai_frontend.schemas import ChatCompletionRequest
+from openai_frontend.schemas import ChatCompletionRequest, ChatMessage
 from openai_frontend.settings import Settings
 from openai_frontend.streams import (
     generation,
@@ -43,6 +43,7 @@ from openai_frontend.streams import (
 )
 from openai_frontend.tokenizers import Tokenizers
 from openai_frontend.tool_calls import ToolCallStream, forced_call_schema, tool_plan
+from protocol import StepOutput
 from tokenization.tokenizer import Tokenizer
 
 _ROLE = DeltaMessage(role="assistant", content="")
@@ -64,6 +65,32 @@ def _chat_prompt(
         return rendered.text
     encode = functools.partial(tokenizer.encode_with_text_spans, text_spans=rendered.text_spans)
     return engine_prompt(rendered.text, encode, keep, as_ids or bool(rendered.text_spans))
+
+
+def _chat_prompts(
+    model: ModelInfo,
+    chats: list[ChatInput],
+    tokenizer: Tokenizer | None,
+    special_texts: frozenset[str],
+    keep: int | None,
+    as_ids: bool,
+) -> tuple[Prompt, ...]:
+    """Each conversation's prompt, in one piece of prompt work (one thread hop for a whole batch)."""
+    return tuple(_chat_prompt(model, chat, tokenizer, special_texts, keep, as_ids) for chat in chats)
+
+
+async def _batch_errors(events: AsyncIterator[tuple[int, StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """A batched chat's engine events: the engine names its prompts `prompt`, which this request calls
+    `messages` (e.g. a batch whose sequences could never fit the queue, a conversation past the context
+    window; the engine's error does not say which conversation)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    except InvalidRequest as e:
+        if e.param == "prompt":
+            e.param = "messages"
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,29 +156,47 @@ class ChatService:
             prompt_logprobs=req.prompt_logprobs,
         )
         usage = usage_options(req, force_usage)
+        conversations = req.conversations()
+        if req.batched:
+            _check_batch(req, len(conversations), self.settings.max_prompts_per_request)
         model = await self.engine.model_config(req.model)
         keep = kept_prompt_tokens(req, model)
         as_ids = bool(req.return_token_ids)
         tokenizer, special_texts = await self.tokenizers.for_chat(model, needed=as_ids or keep is not None)
-        chat = ChatInput(
-            req.messages, tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        chats = [
+            ChatInput(
+                messages,
+                tools,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                f"messages.{i}" if req.batched else "messages",
+            )
+            for i, messages in enumerate(conversations)
+        ]
+        prompts = await self.tokenizers.run(
+            sum(chat.work_chars() for chat in chats),
+            _chat_prompts,
+            model,
+            chats,
+            tokenizer,
+            special_texts,
+            keep,
+            as_ids,
         )
-        prompt = await self.tokenizers.run(
-            chat.work_chars(), _chat_prompt, model, chat, tokenizer, special_texts, keep, as_ids
-        )
-        last = req.messages[-1]
         return ChatPlan.of(
             req,
             model=model,
             id_prefix="chatcmpl",
-            prompts=(prompt,),
+            prompts=prompts,
             params=params,
             arrival=arrival,
             constraint=constraint,
             usage=usage,
             top_logprobs=top,
             tools=tools,
-            echo=last.text() if req.echo and last.role == "assistant" else None,
+            echo=tuple(_echo(req, messages) for messages in conversations),
+            batch=req.batched,
         )
 
     async def _chunks(self, plan: ChatPlan) -> AsyncIterator[ChatCompletionStreamResponse]:
@@ -160,27 +205,29 @@ class ChatService:
         choices = len(plan.prompts) * n
         first = True
         tool_streams: dict[int, ToolCallStream] = {}
-        async with aclosing(named_errors(gen.events(), plan)) as events:
+        named = named_errors(gen.events(), plan)
+        async with aclosing(_batch_errors(named) if plan.batch else named) as events:
             async for p, out in events:
                 index = p * n + out.seq_index
                 if first:  # the role goes first, once per choice (after the engine accepted the request)
                     first = False
                     usage = gen.usage.without_completion() if plan.continuous_usage else None
-                    # vLLM's response-level fields travel on the first chunk.
+                    # vLLM's response-level fields travel on the first chunk (a batch has none: they would
+                    # describe one of its conversations).
                     yield self._chunk(
                         plan,
                         usage,
                         0,
                         _ROLE,
-                        prompt_token_ids=prompt_ids_field(plan, p),
+                        prompt_token_ids=MISSING if plan.batch else prompt_ids_field(plan, p),
                         prompt_logprobs=prompt_logprobs_field(plan, out),
                     )
                     for i in range(1, choices):
                         yield self._chunk(plan, usage, i, _ROLE)
-                    if plan.echo:
-                        echo = DeltaMessage(content=plan.echo)
-                        for i in range(choices):
-                            yield self._chunk(plan, usage, i, echo)
+                    for i in range(choices):
+                        echo = plan.echo[i // n]
+                        if echo:
+                            yield self._chunk(plan, usage, i, DeltaMessage(content=echo))
                 logprobs = (
                     chat_logprobs(out, plan.top_logprobs, plan.tokens_as_ids)
                     if plan.params.logprobs is not None
@@ -246,4 +293,26 @@ class ChatService:
             usage=usage_field(usage, plan),
             prompt_token_ids=prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
+        )
+
+
+def _echo(req: ChatCompletionRequest, messages: list[ChatMessage]) -> str | None:
+    """vLLM's echo: a conversation's last message, where it is the assistant's, starts its choices."""
+    last = messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else None
+
+
+def _check_batch(req: ChatCompletionRequest, conversations: int, limit: int) -> None:
+    """What a batched chat refuses (vLLM's rules for its batches, and the bound of completions' prompts)."""
+    if conversations > limit:
+        raise InvalidRequest(f"messages holds at most {limit} conversations (got {conversations})", "messages")
+    if req.stream:
+        raise InvalidRequest("a batched chat (messages as a list of conversations) cannot be streamed", "stream")
+    if req.n is not None and req.n != 1:
+        raise InvalidRequest("a batched chat (messages as a list of conversations) takes only n = 1", "n")
+    if req.prompt_logprobs is not None:
+        # A chat's prompt_logprobs is a response-level field, which holds one conversation's.
+        raise InvalidRequest(
+            "prompt_logprobs are not available for a batched chat (messages as a list of conversations)",
+            "prompt_logprobs",
         )

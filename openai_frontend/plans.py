@@ -83,7 +83,9 @@ class CompletionPlan(GenerationPlan):
 class ChatPlan(GenerationPlan):
     top_logprobs: int  # how many alternatives to show per token
     tools: ToolPlan  # how the output's tool calls are read
-    echo: str | None  # echo: the last (assistant) message's content starts each choice
+    # echo: per prompt, the last (assistant) message's content, which starts each of its choices (None: none)
+    echo: tuple[str | None, ...]
+    batch: bool  # a batched chat: one prompt per conversation, and no response-level prompt fields
 
 
 def usage_options(req: SamplingFields, force: bool) -> tuple[bool, bool]:

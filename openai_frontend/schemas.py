@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WithJsonSchema,
@@ -30,7 +32,8 @@ from protocol.sampling import MAX_TOKEN_ID
 # request per prompt): OpenAI's bound where it has one (tools, tool_calls), elsewhere one no real request
 # nears. Past a bound the request is a 400 naming the field (docs/security.md). The sampling lists'
 # bounds are protocol.SamplingParams'.
-MAX_MESSAGES = 4096
+MAX_MESSAGES = 4096  # in one conversation
+MAX_BATCH_MESSAGES = 65536  # in all the conversations of a batched chat together
 MAX_CONTENT_PARTS = 1024  # parts of one message's content
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # calls in one assistant message
@@ -271,6 +274,24 @@ Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
+def _messages_kind(value: Any) -> str:
+    """Which form chat's `messages` takes: a list of lists is a batch of conversations. The tags are the
+    names pydantic gives union members, which an error's `param` leaves out (app.py), so that
+    `messages.1.0.content` is conversation 1's first message."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "list[list[ChatMessage]]"
+    return "list[ChatMessage]"
+
+
+# vLLM's batched chat: several conversations, one engine request each. How many is the service's bound
+# (--max-prompts-per-request); all their messages together are bounded here, before any is validated.
+Conversations = Annotated[list[Messages], Field(min_length=1)]
+ChatMessages = Annotated[
+    Annotated[Messages, Tag("list[ChatMessage]")] | Annotated[Conversations, Tag("list[list[ChatMessage]]")],
+    Discriminator(_messages_kind),
+]
+
+
 class NamedFunction(_Strict):
     name: str
 
@@ -291,7 +312,7 @@ class Prediction(_Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Messages
+    messages: ChatMessages  # one conversation, or a batch of them (vLLM's batched chat)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -316,6 +337,27 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None  # `user`'s successor
     prediction: Prediction | None = None
     modalities: list[str] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _batch_bounded(cls, value: Any) -> Any:
+        if _messages_kind(value) == "list[list[ChatMessage]]":
+            total = sum(len(c) for c in value if isinstance(c, list))
+            if total > MAX_BATCH_MESSAGES:
+                raise InvalidRequest(
+                    f"messages holds at most {MAX_BATCH_MESSAGES} messages in all its conversations (got {total})",
+                    "messages",
+                )
+        return value
+
+    @property
+    def batched(self) -> bool:
+        """Whether `messages` is a batch of conversations (each its own engine request and choice)."""
+        return bool(self.messages) and isinstance(self.messages[0], list)
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        """The conversations: `messages` itself, or its one conversation."""
+        return self.messages if self.batched else [self.messages]  # type: ignore[list-item,return-value]
 
     @field_validator("metadata")
     @classmethod

@@ -43,7 +43,7 @@ class Settings:
     keep_alive_timeout_s: int = 5
     max_connections: int = 4096  # open connections and requests; past it a 503
     prompt_threads: int = 2  # threads that tokenize and render big prompts off the event loop (tokenizers.py)
-    max_prompts_per_request: int = 256  # prompts in one completions request: one engine request each
+    max_prompts_per_request: int = 256  # prompts of a completion, conversations of a chat: an engine request each
     allow_special_tokens_in_content: bool = False  # False: special tokens typed in a chat are text (chat_prompt.py)
     # The Responses API's store (docs/responses.md): None is SQLite in the state folder.
     state_dir: str = "artifacts/state"
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompts-per-request",
         type=int,
         default=limits.max_prompts_per_request,
-        help="prompts one /v1/completions request may hold (each is an engine request of its own); more is a 400",
+        help="prompts one /v1/completions request may hold, and conversations one batched chat may hold "
+        "(each is an engine request of its own); more is a 400",
     )
     parser.add_argument(
         "--allow-special-tokens-in-content",
