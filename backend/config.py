@@ -28,9 +28,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     compile: bool = False  # CPU: torch.compile the decode-only forward (slow start; backend/compiled_decode.py)
     stream_interval: int = 1  # a response per sequence every N steps (its first and last at once); served only
-    # Grammar compilation (backend/structured_output.py): a constraint not compiled within the timeout, or
-    # compiled to more than grammar_max_mib, is refused (a 400); compiled grammars kept in grammar_cache_mib.
+    # Grammar compilation (backend/grammar_compiler.py): a constraint not compiled within the timeout, whose
+    # compile takes more than grammar_compile_memory_mib, or compiled to more than grammar_max_mib, is refused
+    # (a 400); compiled grammars kept in grammar_cache_mib.
     grammar_compile_timeout_s: float = 5.0
+    grammar_compile_memory_mib: int = 1024
     grammar_max_mib: int = 32
     grammar_cache_mib: int = 256
     # Speculative decoding (backend/speculation.py): "ngram" drafts by prompt lookup, "" is off. At most
@@ -60,6 +62,7 @@ class EngineConfig:
         check(self.stream_interval >= 1, "stream_interval must be >= 1")
         check(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s must be > 0")
         check(self.grammar_max_mib >= 1, "grammar_max_mib must be >= 1")
+        check(self.grammar_compile_memory_mib >= 1, "grammar_compile_memory_mib must be >= 1")
         check(self.grammar_cache_mib >= self.grammar_max_mib, "grammar_cache_mib must be >= grammar_max_mib")
         check(not self.compile or self.device == "cpu", "compile is for the CPU path (CUDA runs the Triton kernels)")
         check(self.speculative in ("", "ngram"), f"speculative must be ngram or empty, not {self.speculative!r}")

@@ -7,8 +7,9 @@ and the engine keeps the request out of the scheduler until `compiled(spec)` is 
 
 The budget. A compile cannot be interrupted, so each constraint is first compiled on trial in a worker
 process (backend/grammar_worker.py), which is killed if the trial is not done within `timeout_s` of the
-check: the constraint is refused (an InvalidRequestError naming `structured_outputs.<kind>`) and the
-compile's thread, core and memory are freed at once; another worker takes the killed one's seat. A
+check, and ends itself if the compile grows its memory by more than `compile_memory_bytes`: the constraint
+is refused (an InvalidRequestError naming `structured_outputs.<kind>`) and the compile's thread, core and
+memory are freed at once; another worker takes the ended one's seat. A
 constraint whose trial compiled in time is compiled again here, taking about as long as its trial (the
 compiled grammar costs more to send across than to compile again), unless its grammar is larger than
 `max_grammar_bytes`: then it is refused without being compiled here. Specs refused so are remembered a
@@ -68,10 +69,16 @@ class GrammarBudget:
     timeout_s: float = 5.0
     max_grammar_bytes: int = 32 << 20
     cache_bytes: int = 256 << 20
+    compile_memory_bytes: int = 1 << 30  # what one trial compile may add to its worker's resident memory
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> GrammarBudget:
-        return cls(config.grammar_compile_timeout_s, config.grammar_max_mib << 20, config.grammar_cache_mib << 20)
+        return cls(
+            config.grammar_compile_timeout_s,
+            config.grammar_max_mib << 20,
+            config.grammar_cache_mib << 20,
+            config.grammar_compile_memory_mib << 20,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +334,7 @@ class StructuredOutputCompiler:
         lane.started += 1
         threading.Thread(
             target=_start_worker,
-            args=(lane, self._vocabulary, self._worker_module),
+            args=(lane, self._vocabulary, self._worker_module, self.budget.compile_memory_bytes),
             name=f"grammar-worker-start-{lane.name}",
             daemon=True,
         ).start()
@@ -394,6 +401,13 @@ class StructuredOutputCompiler:
                     self._start_worker(job.lane)  # at once, so that the seat's next compile waits the least
             if killed:
                 return None  # refused at its deadline
+            if worker.over_memory:
+                return self._refuse(
+                    job.spec,
+                    "the constraint is too complex: compiling it takes more than "
+                    f"{self.budget.compile_memory_bytes / 2**20:.0f} MiB of memory; make it smaller, e.g. fewer "
+                    "enum values, choices or optional properties",
+                )
             return RuntimeError("the grammar worker ended while compiling it (it may have run out of memory)")
         job.lane.ready.put(worker)
         if job.lane.closed:  # closed during the trial: the worker it gave back ends too
@@ -504,11 +518,11 @@ class StructuredOutputCompiler:
         return xgr.GrammarCompiler(self._vocabulary.info(), max_threads=1, cache_enabled=False)
 
 
-def _start_worker(lane: _Lane, vocabulary: _Vocabulary, module: str) -> None:
+def _start_worker(lane: _Lane, vocabulary: _Vocabulary, module: str, memory_budget_bytes: int) -> None:
     """Starts a worker for `lane` and queues it, or why it did not start (a thread of its own; holds no
     reference to the compiler, so that a dropped compiler is collected and its workers end)."""
     try:
-        worker = GrammarWorker.start(vocabulary.info_json, module)
+        worker = GrammarWorker.start(vocabulary.info_json, module, memory_budget_bytes)
     except Exception as e:  # noqa: BLE001 - the compile that takes it fails with it
         logger.error("a grammar worker did not start: %s", e)
         lane.ready.put(e)

@@ -35,6 +35,8 @@ from protocol import InvalidRequestError, StructuredOutputs
 
 WORKER_MODULE = "backend.grammar_worker"
 START_TIMEOUT_S = 120.0  # a worker not ready by then (a broken install) is given up; imports take seconds
+OVER_MEMORY_EXIT_CODE = 86  # the worker's exit status when a trial went past its memory budget
+MEMORY_POLL_S = 0.01  # how often a compiling worker reads its resident memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +78,18 @@ class GrammarWorker:
         self.pid = process.pid
 
     @classmethod
-    def start(cls, tokenizer_info_json: Callable[[], str], module: str = WORKER_MODULE) -> GrammarWorker:
+    def start(
+        cls, tokenizer_info_json: Callable[[], str], module: str = WORKER_MODULE, memory_budget_bytes: int = 0
+    ) -> GrammarWorker:
         """A new worker, its compiler built for the vocabulary `tokenizer_info_json()` describes (xgrammar's
         TokenizerInfo.serialize_json, made while the worker imports); blocks until it is ready (seconds: it
-        imports xgrammar and torch)."""
+        imports xgrammar and torch). A trial whose compile grows the worker's resident memory by more than
+        `memory_budget_bytes` (0: unbounded) ends the worker (`over_memory` then says so)."""
         request_read, request_write = os.pipe()
         result_read, result_write = os.pipe()
         try:
             process = subprocess.Popen(
-                [_python(), "-m", module, str(request_read), str(result_write)],
+                [_python(), "-m", module, str(request_read), str(result_write), str(memory_budget_bytes)],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(request_read, result_write),
                 env=_worker_environment(),
@@ -119,6 +124,11 @@ class GrammarWorker:
         if not isinstance(result, TrialResult):
             raise WorkerGone(f"the grammar worker answered {result!r}")
         return result
+
+    @property
+    def over_memory(self) -> bool:
+        """Whether the (reaped) worker ended because a trial went past its memory budget."""
+        return self._process.returncode == OVER_MEMORY_EXIT_CODE
 
     def kill(self) -> None:
         """Ends the worker at once (SIGKILL); a trial waiting on it raises WorkerGone. Call `reap` after."""
@@ -190,7 +200,7 @@ def return_free_memory() -> None:
 # -- the worker process ---------------------------------------------------------------------------------
 
 
-def main(request_fd: int, result_fd: int) -> None:
+def main(request_fd: int, result_fd: int, memory_budget_bytes: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
     requests = Connection(request_fd, writable=False)
     results = Connection(result_fd, readable=False)
@@ -205,11 +215,33 @@ def main(request_fd: int, result_fd: int) -> None:
 
     threading.Thread(target=read_requests, name="grammar-worker-requests", daemon=True).start()
     compile_trial = _trial_compiler(inbox)
+    compiling = threading.Event()
+    if memory_budget_bytes > 0:
+        limit = _resident_bytes() + memory_budget_bytes  # what a trial may add to the ready worker's memory
+        threading.Thread(target=_end_past, args=(limit, compiling), name="grammar-worker-memory", daemon=True).start()
     results.send(Ready(os.getpid()))
     while True:
         request = inbox.get()
         assert isinstance(request, Trial), request
-        results.send(compile_trial(request.spec))
+        compiling.set()
+        result = compile_trial(request.spec)
+        compiling.clear()
+        results.send(result)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _end_past(limit_bytes: int, compiling: threading.Event) -> None:
+    """Ends the worker once a compile takes its resident memory past `limit_bytes`: xgrammar cannot be
+    stopped, and a process's end frees all it took (the engine refuses the constraint on seeing the exit)."""
+    while True:
+        compiling.wait()
+        if _resident_bytes() > limit_bytes:
+            os._exit(OVER_MEMORY_EXIT_CODE)
+        time.sleep(MEMORY_POLL_S)
 
 
 def _trial_compiler(inbox: queue.SimpleQueue[Any]) -> Callable[[StructuredOutputs], TrialResult]:
@@ -242,4 +274,4 @@ if __name__ == "__main__":
     # By the module's own name, not as __main__: what it sends is unpickled by the engine under that name.
     from backend.grammar_worker import main as worker_main
 
-    worker_main(int(sys.argv[1]), int(sys.argv[2]))
+    worker_main(*map(int, sys.argv[1:]))

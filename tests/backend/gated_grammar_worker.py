@@ -27,7 +27,7 @@ def main() -> None:
         return trial
 
     grammar_worker._trial_compiler = gated
-    grammar_worker.main(int(sys.argv[1]), int(sys.argv[2]))
+    grammar_worker.main(*map(int, sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ can make its output valid: every validity assertion here fails if enforcement br
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from backend.grammar_compiler import GrammarBudget, StructuredOutputCompiler
-from backend.grammar_limits import check_limits
+from backend.grammar_limits import DEFAULT_LIMITS, check_limits
 from backend.sampler import Sampler, SamplingRow
 from backend.structured_output import TokenBitmask, build_grammar
 from protocol import (
@@ -483,6 +484,34 @@ def test_a_compile_past_its_time_budget_is_killed_refused_and_refused_again_at_o
     other = StructuredOutputs(json=json.dumps(big_but_cheap("after")))  # the new worker compiles
     compiler.check(other)
     assert compiler.compiled(other).result(timeout=30) is not None
+
+
+def test_a_compile_past_its_memory_budget_ends_its_worker_and_is_refused(monkeypatch):
+    """An enum over the request limit (allowed here) whose compile grows for seconds: the worker ends once
+    it holds more than the budget, long before the time budget, and the constraint is refused as such."""
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_enum_values=10**6, max_enum_chars=1 << 24)
+    tok = smollm2_tokenizer()
+    budget = GrammarBudget(timeout_s=60, compile_memory_bytes=24 << 20)
+    compiler = StructuredOutputCompiler(tok, tok.vocab_size, tuple(tok.eos_token_ids), budget, limits)
+    try:
+        compiler.warm_up()
+        (worker,) = compiler.stats().big_lane_workers
+        spec = StructuredOutputs(json=json.dumps({"enum": [f"value-{i}" for i in range(40_000)]}))
+        compiler.check(spec)
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError) as e:
+            compiler.compiled(spec).result(timeout=60)
+        assert time.monotonic() - started < 30  # (the time budget is 60 s)
+        assert e.value.param == "structured_outputs.json" and "more than 24 MiB of memory" in e.value.message
+        assert gone(worker)
+        wait_until(lambda: len(compiler.stats().big_lane_workers) == 1 and compiler.stats().big_lane_running == 0)
+        with pytest.raises(InvalidRequestError):  # remembered
+            compiler.check(spec)
+        small = StructuredOutputs(json=json.dumps(big_but_cheap("after")))  # the new worker compiles
+        compiler.check(small)
+        assert compiler.compiled(small).result(timeout=30) is not None
+    finally:
+        compiler.close()
 
 
 def test_a_short_constraint_past_its_time_is_killed_and_frees_its_seat(gate):
