@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", default=None, help="a running frontend (default: start the servers here)")
+    parser.add_argument(
+        "--hf-threads",
+        type=int,
+        default=None,
+        help="torch threads for transformers (default: torch's own; on a busy machine 1 may be faster)",
+    )
     args = parser.parse_args(argv)
 
     from backend.checkpoint import load_checkpoint
@@ -95,9 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         with running_servers(REPO_ROOT / "artifacts" / "bench-logs", "-embed") as (_, frontend):
             served_runs = served(frontend.url.rstrip("/").removesuffix("/v1"))
 
+    if args.hf_threads is not None:
+        torch.set_num_threads(args.hf_threads)
     model = build_hf_model(checkpoint.config, checkpoint.state_dict)
     embed_transformers(model, [tok.encode(t) for t in warm], 2)  # not measured
-    result: dict[str, object] = {"requests": args.requests, "prompt_tokens": args.prompt_tokens}
+    result: dict[str, object] = {
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "hf_threads": torch.get_num_threads(),
+    }
     worst = 1.0
     for c in LEVELS:
         served_s, served_vectors = served_runs[c]
