@@ -25,7 +25,7 @@ from openai_frontend.embedding_schemas import (
 )
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest
-from openai_frontend.request_log import response_ids
+from openai_frontend.request_log import current_request, response_ids
 from openai_frontend.settings import Settings
 from protocol import AdmissionGroup, SamplingParams, StepOutput, Task
 
@@ -56,6 +56,12 @@ class EmbeddingService:
         if req.dimensions is not None:
             _check_dimensions(req.dimensions, size, model.name)
         tokens = sum(out.num_prompt_tokens for out in outs)
+        record = current_request.get()
+        if record is not None:  # the access log line's numbers (request_log.py)
+            record.generated = True
+            record.prompt_tokens += tokens
+            record.cached_tokens += sum(out.num_cached_tokens for out in outs)
+            record.finish_reasons += [out.finish_reason.value for out in outs if out.finish_reason is not None]
         return EmbeddingResponse(
             id=response_id,
             created=int(time.time()),

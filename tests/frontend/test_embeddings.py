@@ -169,3 +169,24 @@ async def test_the_triton_request_names_the_task_instead_of_sampling_params() ->
     assert embed.raw_input_contents[1][4:] == b"embed"
     generate = build_request(MODEL, "hi", SamplingParams(), "r-1")
     assert [i.name for i in generate.inputs] == ["text_input", "sampling_params"]
+
+
+async def test_the_request_id_names_the_response_and_the_access_line_counts_its_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import json
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="openai_frontend.access")
+    engine = FakeEngineClient()
+    app = create_app(engine, Settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post(
+            "/v1/embeddings", json={"model": MODEL, "input": ["a b", "c"]}, headers={"X-Request-Id": "emb-1"}
+        )
+    assert r.status_code == 200 and r.json()["id"] == "embd-emb-1"
+    assert all(re.fullmatch(rf"embd-emb-1-[0-9a-f]{{8}}-{i}", c.request_id) for i, c in enumerate(engine.calls))
+    [line] = [json.loads(x.getMessage()) for x in caplog.records if x.name == "openai_frontend.access"]
+    assert line["path"] == "/v1/embeddings" and line["prompt_tokens"] == 3 and line["completion_tokens"] == 0
+    assert line["finish_reasons"] == ["stop", "stop"]
