@@ -190,3 +190,16 @@ async def test_the_request_id_names_the_response_and_the_access_line_counts_its_
     [line] = [json.loads(x.getMessage()) for x in caplog.records if x.name == "openai_frontend.access"]
     assert line["path"] == "/v1/embeddings" and line["prompt_tokens"] == 3 and line["completion_tokens"] == 0
     assert line["finish_reasons"] == ["stop", "stop"]
+
+
+async def test_a_served_name_reaches_the_triton_model_as_an_embed_request() -> None:
+    from openai_frontend.served_names import ServedNames
+
+    engine = FakeEngineClient()
+    settings = Settings(served_names=ServedNames.parse(("public-name",)))
+    app = create_app(engine, settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/embeddings", json={"model": "public-name", "input": "a"})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "public-name"
+    assert [(c.model, c.task) for c in engine.calls] == [(MODEL, Task.EMBED)]
