@@ -21,6 +21,7 @@ from openai_frontend.plans import (
     CompletionPlan,
     Prompt,
     engine_prompt,
+    engine_prompts,
     kept_prompt_tokens,
     sampling_params,
     usage_options,
@@ -68,7 +69,7 @@ class CompletionService:
             raise InvalidRequest(f"prompt holds at most {limit} prompts (got {len(req.prompt)})", "prompt")
         if req.best_of is not None and req.best_of != (1 if req.n is None else req.n):
             raise InvalidRequest("best_of is only supported equal to n", "best_of")
-        prompts = _normalize_prompts(req.prompt)
+        prompts = engine_prompts(req.prompt, "prompt")
         max_tokens = req.max_tokens if req.max_tokens is not None else self.settings.default_max_tokens
         if max_tokens < 0 or (max_tokens == 0 and not req.echo):
             raise InvalidRequest(
@@ -183,21 +184,3 @@ def _engine_prompts(
     if as_ids:  # sent as ids, so the ids returned are the ones the engine ran
         prompts = tuple(engine_prompt(p, tokenizer.encode, None, as_ids=True) for p in prompts)
     return prompts, echo_texts
-
-
-def _normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:
-    if isinstance(prompt, str):
-        return (prompt,)
-    if not prompt:
-        raise InvalidRequest("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], int):  # (the schema's union: all items are of one kind)
-        return (tuple(prompt),)  # one prompt of token ids
-    out: list[Prompt] = []
-    for p in prompt:
-        if isinstance(p, list):
-            if not p:
-                raise InvalidRequest("a token-id prompt must not be empty", "prompt")
-            out.append(tuple(p))
-        else:
-            out.append(p)
-    return tuple(out)

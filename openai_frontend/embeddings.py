@@ -25,6 +25,7 @@ from openai_frontend.embedding_schemas import (
 )
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest
+from openai_frontend.plans import engine_prompts
 from openai_frontend.request_log import current_request, response_ids
 from openai_frontend.settings import Settings
 from protocol import AdmissionGroup, SamplingParams, StepOutput, Task
@@ -75,14 +76,7 @@ class EmbeddingService:
 
     def _prompts(self, value: EmbeddingInput) -> list[Prompt]:
         """The engine prompts of `input` (completions' rules: a list of ints is one prompt of token ids)."""
-        if isinstance(value, str):
-            prompts: list[Prompt] = [value]
-        elif not value:
-            raise InvalidRequest("input must not be empty", "input")
-        elif isinstance(value[0], int):
-            prompts = [list(value)]  # type: ignore[arg-type]
-        else:
-            prompts = [p if isinstance(p, str) else list(p) for p in value]  # type: ignore[misc]
+        prompts: list[Prompt] = [p if isinstance(p, str) else list(p) for p in engine_prompts(value, "input")]
         limit = self.settings.max_prompts_per_request
         if len(prompts) > limit:
             raise InvalidRequest(f"input holds at most {limit} inputs (got {len(prompts)})", "input")

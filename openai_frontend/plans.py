@@ -181,3 +181,23 @@ def sampling_params(
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         raise InvalidRequest(e.message, e.param) from None
+
+
+def engine_prompts(prompt: str | list[str] | list[int] | list[list[int]], param: str) -> tuple[Prompt, ...]:
+    """The engine prompts of a completions `prompt` or an embeddings `input` (named `param` in errors): a
+    string, a list of them, or token ids, where a list of ints is one prompt."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if not prompt:
+        raise InvalidRequest(f"{param} must not be empty", param)
+    if isinstance(prompt[0], int):  # (the schema's union: all items are of one kind)
+        return (tuple(prompt),)  # one prompt of token ids
+    out: list[Prompt] = []
+    for p in prompt:
+        if isinstance(p, list):
+            if not p:
+                raise InvalidRequest(f"a token-id {param} must not be empty", param)
+            out.append(tuple(p))
+        else:
+            out.append(p)
+    return tuple(out)
