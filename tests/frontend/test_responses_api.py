@@ -20,10 +20,11 @@ from pydantic import TypeAdapter
 
 from openai_frontend.app import create_app
 from openai_frontend.errors import EngineFailure
-from openai_frontend.responses_api.store import ResponseStore, StoredResponse
+from openai_frontend.responses_api.store import ResponseStore
 from openai_frontend.settings import Settings
 from protocol import SamplingParams
 from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
+from tests.frontend.test_response_store import record
 
 pytestmark = pytest.mark.asyncio
 MODEL = FAKE_MODEL.name
@@ -272,22 +273,7 @@ async def test_stops_all_through_the_sweepers_first_pass_end_and_leave_the_store
     try:
         old = time.time() - 3600
         for i in range(420):  # finished, past the cap: the first pass deletes most
-            response_id = f"resp_{i}"
-            await store.create(
-                StoredResponse(
-                    id=response_id,
-                    created_at=old + i,
-                    status="completed",
-                    background=False,
-                    owner=None,
-                    lease_until=None,
-                    previous_response_id=None,
-                    request={"model": MODEL, "input": "x", "seed": 1},
-                    input_items=[],
-                    response={"id": response_id, "object": "response", "status": "completed", "output": []},
-                    last_sequence_number=-1,
-                )
-            )
+            await store.create(record(f"resp_{i}", status="completed", owner=None, created_at=old + i))
     finally:
         await store.close()
     for attempt in range(40):
