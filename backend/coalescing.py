@@ -59,6 +59,7 @@ def join_steps(outputs: Sequence[StepOutput]) -> StepOutput:
         request_finished=last.request_finished,
         prompt_logprobs=first.prompt_logprobs,
         embedding=last.embedding,  # (only ever on a sequence's one, last, message)
+        timings=last.timings,  # (only ever on a sequence's last message)
     )
 
 

@@ -9,19 +9,22 @@ keep their own last tokens (invariant 4 of docs/contract.md), and finish_reason 
 once. A step may bring a sequence several tokens (accepted drafts: backend/speculation.py); they go in
 its one message, each judged in turn exactly as it would be alone, and a token that finishes the
 sequence drops the ones after it. An embedding sequence gets exactly one message, its last, carrying its
-vector and no tokens. It changes no other scheduling state: the scheduler has appended the
-step's tokens before, and frees the sequences this returns as finished after (backend/engine.py's step).
+vector and no tokens. A sequence's last message carries its timings (queued, prefill, decode), for which
+the clock is read once at its first token and once at its finish. It changes no other scheduling state:
+the scheduler has appended the step's tokens before, and frees the sequences this returns as finished
+after (backend/engine.py's step).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import PromptScores, RunnerOutput
 from backend.sampler import SampledToken
 from backend.sequence import Sequence
-from protocol import FinishReason, PromptLogprobs, StepOutput, TokenLogprobs
+from protocol import FinishReason, PromptLogprobs, RequestTimings, StepOutput, TokenLogprobs
 from tokenization.stop_strings import StopStringMatcher
 from tokenization.tokenizer import Tokenizer
 
@@ -110,6 +113,8 @@ class OutputProcessor:
         judged in turn as if it came alone; a token that finishes the sequence drops those after it."""
         before = seq.num_output_tokens - len(toks)
         assert tuple(seq.output_token_ids[before:]) == tuple(t.token_id for t in toks), "the scheduler appends first"
+        if before == 0:
+            seq.first_token_at = time.monotonic()
         texts: list[str] = []
         token_texts: list[str] = []
         finish: FinishReason | None = None
@@ -207,13 +212,14 @@ class OutputProcessor:
         embedding: tuple[float, ...] | None = None,
     ) -> StepOutput:
         seq.finish_reason = finish
+        timings = seq.timings(time.monotonic())
         state = self.requests[seq.request_id]
         state.num_unfinished -= 1
         request_finished = state.num_unfinished == 0
         if request_finished:
             del self.requests[seq.request_id]
         return self._message(
-            seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs, embedding
+            seq, token_ids, text, logprobs, finish, stop_reason, request_finished, prompt_logprobs, embedding, timings
         )
 
     @staticmethod
@@ -227,6 +233,7 @@ class OutputProcessor:
         request_finished: bool,
         prompt_logprobs: PromptLogprobs | None = None,
         embedding: tuple[float, ...] | None = None,
+        timings: RequestTimings | None = None,
     ) -> StepOutput:
         step = seq.next_step
         seq.next_step += 1
@@ -245,4 +252,5 @@ class OutputProcessor:
             request_finished=request_finished,
             prompt_logprobs=prompt_logprobs,
             embedding=embedding,
+            timings=timings,
         )

@@ -8,7 +8,8 @@ step gives each sequence some of its missing tokens, up to a token budget, and t
   and the rest in later steps; it samples only in the step it catches up.
 - Prefix caching starts a new sequence with num_computed_tokens > 0 (blocks found by hash), except
   a sequence that asked for prompt logprobs and has not sampled yet: it needs the logits of every
-  prompt position, so it computes them all. What its first admission found is its num_cached_tokens.
+  prompt position, so it computes them all. What its first admission found is its num_cached_tokens,
+  and when it came its scheduled_at.
 - Preemption by recompute frees a sequence's blocks and sets num_computed_tokens back to 0; its
   generated tokens stay, and it catches up again (prompt + outputs) when it is readmitted.
 
@@ -38,6 +39,7 @@ and sample their first token from the leader's logits row; after that each runs 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -202,8 +204,9 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                     break
                 self._waiting.popleft()
-                if seq.num_cached_tokens is None:
+                if seq.num_cached_tokens is None:  # its first admission (a readmission keeps both)
                     seq.num_cached_tokens = seq.num_computed_tokens
+                    seq.scheduled_at = time.monotonic()
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self._running, seq, key=_order)
                 seats += need_seats
@@ -290,6 +293,7 @@ class Scheduler:
                 self.block_manager.fork(seq, child)
                 child.num_computed_tokens = seq.num_computed_tokens
                 child.num_cached_tokens = seq.num_cached_tokens  # the prompt they share
+                child.scheduled_at = seq.scheduled_at
                 child.status = SequenceStatus.RUNNING
                 bisect.insort(self._running, child, key=_order)
         copies.extend(alloc.copies)

@@ -4,20 +4,25 @@ A request with n > 1 is n sequences. Sequence 0 is the fork leader: it alone pre
 and when it samples for the first time the scheduler forks the others (FORK_PENDING until then)
 so they share the prompt's KV blocks and each samples its first token from the leader's logits.
 
-The scheduler reads and advances `num_computed_tokens` and `status`, records `num_cached_tokens` at
-the first admission, appends the sampled tokens and frees finished sequences; it schedules
-`draft_token_ids` (speculative decoding's proposal, set by the engine after a step: backend/speculation.py)
-with the sequence's next decode and clears them. The engine owns the opaque per-sequence slots
-(`generator`, `detokenizer`, `stop_matcher`, `next_step`, `finish_reason`, `grammar`, `logits_inputs`,
-`prompt_scores`, `prompt_logprobs`, `drafting`), which the scheduler never touches. No torch here.
+The scheduler reads and advances `num_computed_tokens` and `status`, records `num_cached_tokens` and
+`scheduled_at` at the first admission, appends the sampled tokens and frees finished sequences; it
+schedules `draft_token_ids` (speculative decoding's proposal, set by the engine after a step:
+backend/speculation.py) with the sequence's next decode and clears them. The engine owns the opaque
+per-sequence slots (`generator`, `detokenizer`, `stop_matcher`, `next_step`, `finish_reason`, `grammar`,
+`logits_inputs`, `prompt_scores`, `prompt_logprobs`, `drafting`, `first_token_at`), which the scheduler
+never touches. No torch here.
+
+Its clock readings (`submitted_at`, `scheduled_at`, `first_token_at`: time.monotonic(), each taken once)
+become the RequestTimings of its last message (`timings`).
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
-from protocol import FinishReason, SamplingParams
+from protocol import FinishReason, RequestTimings, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +55,8 @@ class Sequence:
         "fork_leader",
         "fork_pending",
         "draft_token_ids",
+        "submitted_at",
+        "scheduled_at",
         # engine-owned, opaque to the scheduler
         "generator",
         "detokenizer",
@@ -61,6 +68,7 @@ class Sequence:
         "prompt_scores",
         "prompt_logprobs",
         "drafting",
+        "first_token_at",
     )
 
     def __init__(
@@ -94,6 +102,8 @@ class Sequence:
         self.fork_leader: Sequence | None = None  # set on siblings 1..n-1
         self.fork_pending: list[Sequence] = []  # on the leader: siblings not yet forked
         self.draft_token_ids: tuple[int, ...] = ()  # proposed to follow the last token; verified next decode
+        self.submitted_at = time.monotonic()  # joined the engine
+        self.scheduled_at: float | None = None  # first admitted from the waiting queue (a fork: its leader's)
         self.generator: Any = None
         self.detokenizer: Any = None
         self.stop_matcher: Any = None
@@ -104,6 +114,7 @@ class Sequence:
         self.prompt_scores: list[Any] | None = None  # sampler.TokenScore per prompt token 1..P-1, while prefilling
         self.prompt_logprobs: Any = None  # types.PromptLogprobs, built from prompt_scores at the first sample
         self.drafting: Any = None  # speculation.DraftState, when the engine speculates
+        self.first_token_at: float | None = None  # its first token sampled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,6 +160,12 @@ class Sequence:
         """Forget the tokens a step accepted past the one that finished the sequence (it ends now)."""
         del self.output_token_ids[num_output_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+
+    def timings(self, finished_at: float) -> RequestTimings:
+        """Where its time went, finishing at `finished_at`; a phase it never reached takes no time."""
+        scheduled = finished_at if self.scheduled_at is None else self.scheduled_at
+        first_token = finished_at if self.first_token_at is None else self.first_token_at
+        return RequestTimings(scheduled - self.submitted_at, first_token - scheduled, finished_at - first_token)
 
     def __repr__(self) -> str:
         return (

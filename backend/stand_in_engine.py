@@ -19,6 +19,7 @@ from protocol import (
     FinishReason,
     GenerateRequest,
     InvalidRequestError,
+    RequestTimings,
     SamplingParams,
     StepOutput,
     Task,
@@ -33,6 +34,11 @@ class _Request:
     request: GenerateRequest
     produced: list[int] = field(default_factory=list)  # tokens so far, per sequence
     finished: int = 0  # sequences done
+    submitted_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0  # (its first step also gives its first tokens)
+
+    def timings(self, finished_at: float) -> RequestTimings:
+        return RequestTimings(self.scheduled_at - self.submitted_at, 0.0, finished_at - self.scheduled_at)
 
 
 class StandInEngine:
@@ -75,6 +81,7 @@ class StandInEngine:
     def step(self) -> list[EngineOutput]:
         while self._waiting and self._seqs_running() + self._waiting[0].request.params.n <= self.max_num_seqs:
             r = self._waiting.pop(0)
+            r.scheduled_at = time.monotonic()
             self._running[r.request.request_id] = r
         wait = self._next_step_at - time.perf_counter()
         if wait > 0:
@@ -89,12 +96,15 @@ class StandInEngine:
     def _advance(self, r: _Request, abort: bool) -> list[StepOutput]:
         params, out = r.request.params, []
         limit = params.max_tokens or self.max_tokens
+        now = None
         for seq, produced in enumerate(r.produced):
             if produced < 0:  # this sequence finished earlier
                 continue
             done = abort or produced + 1 >= limit
             r.finished += done
             last = r.finished == len(r.produced)
+            if done and now is None:
+                now = time.monotonic()
             out.append(
                 StepOutput(
                     request_id=r.request.request_id,
@@ -108,6 +118,7 @@ class StandInEngine:
                     num_prompt_tokens=len(r.request.prompt_token_ids),
                     num_output_tokens=produced + (not abort),
                     request_finished=last,
+                    timings=r.timings(now) if done else None,
                 )
             )
             self._tokens += not abort

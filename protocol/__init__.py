@@ -3,7 +3,8 @@
 Imports neither torch nor anything of backend/ or openai_frontend/: the Triton adapter, the engine
 and the frontend all import it, and nothing here imports them.
 - sampling.py: SamplingParams and StructuredOutputs (validated on construction)
-- messages.py: GenerateRequest, Task, StepOutput, TokenLogprobs, PromptLogprobs, RequestFailure
+- messages.py: GenerateRequest, Task, StepOutput, RequestTimings, TokenLogprobs, PromptLogprobs,
+  RequestFailure
 - errors.py: InvalidRequestError, EngineOverloaded
 - wire.py: a StepOutput as Triton tensors, both ways (docs/wire-contract.md)
 """
@@ -16,6 +17,7 @@ from protocol.messages import (
     GenerateRequest,
     PromptLogprobs,
     RequestFailure,
+    RequestTimings,
     StepOutput,
     Task,
     TokenLogprobs,
@@ -33,6 +35,7 @@ __all__ = [
     "InvalidRequestError",
     "PromptLogprobs",
     "RequestFailure",
+    "RequestTimings",
     "SamplingParams",
     "StepOutput",
     "StructuredOutputs",

@@ -87,6 +87,22 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where one sequence's time in the engine went, as durations in seconds of the engine's monotonic clock:
+    the frontend and the engine may run on different hosts, so no absolute time crosses.
+
+    `queued_s` runs from the sequence joining the engine to its first scheduling, `prefill_s` from there to
+    its first token, `decode_s` from there to its finish. A phase the sequence never reached is 0 (a sequence
+    aborted while it waited was only queued; an embedding has no decode), so the three add up to its time
+    in the engine.
+    """
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one sequence produced in one engine step: the per-step message of the architecture.
 
@@ -100,6 +116,7 @@ class StepOutput:
     prompt tokens had their KV found in the prefix cache when the sequence was admitted (the same on every
     message of the sequence; 0 without a hit). `embedding` is set only on the one message of an embedding
     request (Task.EMBED): the final-norm hidden state of its last prompt token, L2-normalised, with no tokens.
+    `timings` is set only on a sequence's last message: where its time in the engine went.
     """
 
     request_id: str
@@ -117,6 +134,7 @@ class StepOutput:
     num_steps: int = 1
     num_cached_tokens: int = 0
     embedding: tuple[float, ...] | None = None  # (hidden,)
+    timings: RequestTimings | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from protocol import AdmissionGroup, FinishReason, InvalidRequestError, PromptLogprobs, StepOutput, Task, TokenLogprobs
+from protocol import (
+    AdmissionGroup,
+    FinishReason,
+    InvalidRequestError,
+    PromptLogprobs,
+    RequestTimings,
+    StepOutput,
+    Task,
+    TokenLogprobs,
+)
 
 # The outputs of every step message.
 STEP_OUTPUTS = ("seq_index", "step", "token_ids", "text_delta", "num_prompt_tokens", "num_output_tokens")
@@ -29,6 +38,9 @@ NUM_STEPS_OUTPUT = "num_steps"
 NUM_CACHED_TOKENS_OUTPUT = "num_cached_tokens"
 # Only in the one response of an embedding request: its pooled vector (FP32, [hidden]).
 EMBEDDING_OUTPUT = "embedding"
+# Only in a sequence's last response: its RequestTimings (FP64, [3]: queued_s, prefill_s, decode_s); absent
+# means not measured (a model that does not send it).
+ENGINE_TIMINGS_OUTPUT = "engine_timings"
 # An optional request input (BYTES [1]): the request's Task ("generate" when absent).
 TASK_INPUT = "task"
 LOGPROB_OUTPUTS = ("logprobs", "token_texts", "top_token_ids", "top_logprobs", "top_token_texts")
@@ -118,6 +130,9 @@ def encode_step(out: StepOutput) -> dict[str, np.ndarray]:
         arrays[NUM_CACHED_TOKENS_OUTPUT] = np.array([out.num_cached_tokens], dtype=np.int32)
     if out.embedding is not None:
         arrays[EMBEDDING_OUTPUT] = np.array(out.embedding, dtype=np.float32).reshape(len(out.embedding))
+    t = out.timings
+    if t is not None:
+        arrays[ENGINE_TIMINGS_OUTPUT] = np.array([t.queued_s, t.prefill_s, t.decode_s], dtype=np.float64)
     lp = out.logprobs
     if lp is not None:
         n, k = len(lp.logprobs), _width(lp.top_token_ids)
@@ -173,6 +188,7 @@ def decode_step(tensors: Mapping[str, RawTensor], request_id: str, request_finis
             num_steps=_num_steps(tensors),
             num_cached_tokens=_num_cached_tokens(tensors),
             embedding=_floats(tensors[EMBEDDING_OUTPUT]) if EMBEDDING_OUTPUT in tensors else None,
+            timings=_timings(tensors),
         )
     except WireError:
         raise
@@ -215,6 +231,15 @@ def _num_cached_tokens(tensors: Mapping[str, RawTensor]) -> int:
     if num_cached < 0:
         raise ValueError(f"num_cached_tokens must be >= 0, not {num_cached}")
     return num_cached
+
+
+def _timings(tensors: Mapping[str, RawTensor]) -> RequestTimings | None:
+    if ENGINE_TIMINGS_OUTPUT not in tensors:
+        return None
+    values = _numbers(tensors[ENGINE_TIMINGS_OUTPUT], "FP64", "d")
+    if len(values) != 3 or not all(v >= 0 for v in values):  # (NaN is not >= 0 either)
+        raise ValueError(f"{ENGINE_TIMINGS_OUTPUT} must hold 3 durations >= 0, not {list(values)}")
+    return RequestTimings(*values)
 
 
 def _finish(tensors: Mapping[str, RawTensor]) -> tuple[FinishReason | None, str | int | None]:
@@ -293,7 +318,7 @@ def _numbers(tensor: RawTensor, datatype: str, code: str) -> tuple[Any, ...]:
     if kind != datatype:
         raise ValueError(f"expected {datatype}, got {kind}")
     count = _size(shape)
-    if len(data) != 4 * count:
+    if len(data) != _WIDTHS[code] * count:
         raise ValueError(f"{len(data)} bytes for {count} {datatype} values")
     return struct.unpack(f"<{count}{code}", data)
 
@@ -323,6 +348,7 @@ def _strs(tensor: RawTensor) -> tuple[str, ...]:
 
 
 _LENGTH = struct.Struct("<I")
+_WIDTHS = {"i": 4, "f": 4, "d": 8}  # bytes per value of each struct code _numbers reads
 
 
 def _width(rows: tuple[tuple[Any, ...], ...]) -> int:

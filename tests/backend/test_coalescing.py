@@ -79,6 +79,7 @@ def test_joining_all_steps_of_a_sequence_keeps_everything():
         assert joined.step == 0 and joined.num_steps == len(msgs)
         assert joined_view([joined]) == {seq: joined_view(msgs)[seq]}
         assert joined.request_finished == msgs[-1].request_finished
+        assert joined.timings == msgs[-1].timings is not None  # (only a sequence's last message has them)
         cached = [dataclasses.replace(m, num_cached_tokens=16) for m in msgs]
         assert join_steps(cached).num_cached_tokens == 16
 

@@ -10,6 +10,10 @@ from protocol import SamplingParams, StepOutput
 from tests.engine_helpers import check_stream_invariants
 
 
+def vars_of(timings) -> tuple[float, ...]:
+    return (timings.queued_s, timings.prefill_s, timings.decode_s)
+
+
 def run(engine: StandInEngine, requests: dict[str, SamplingParams], abort_after: dict[str, int] | None = None):
     for rid, params in requests.items():
         engine.add_request(engine.make_request(rid, "a b c", params))
@@ -31,6 +35,7 @@ def test_streams_are_exact_with_n_and_seat_limits():
         want = 4 if rid == "a" else 2
         assert "".join(m.text_delta for m in msgs) == TOKEN_TEXT * want
         assert msgs[-1].finish_reason.value == "length" and msgs[-1].num_output_tokens == want
+        assert all(m.timings is None for m in msgs[:-1]) and min(vars_of(msgs[-1].timings)) >= 0
     assert sum(o.request_finished for o in outputs) == 2
     assert engine.stats().generation_tokens == 14
 

@@ -29,13 +29,25 @@ from openai_frontend.errors import (
 )
 from openai_frontend.settings import GRPC_EXPERIMENTS, Settings, set_grpc_environment
 from openai_frontend.triton_client import EMPTY_FINAL, TritonEngineClient, build_request, decode_response
-from protocol import AdmissionGroup, FinishReason, PromptLogprobs, SamplingParams, StepOutput, TokenLogprobs, wire
+from protocol import (
+    AdmissionGroup,
+    FinishReason,
+    PromptLogprobs,
+    RequestTimings,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+    wire,
+)
 from tests.fake_engine import CHATML_TEMPLATE, scripted_steps
 
 pytestmark = pytest.mark.asyncio
 
 
 # -- encoding as the model does (protocol.wire.encode_step, model.py's encoder), into a gRPC response ------
+
+
+DATATYPES = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 
 
 def encode_step(out: StepOutput, final: bool | None = None) -> service_pb2.ModelInferResponse:
@@ -45,7 +57,7 @@ def encode_step(out: StepOutput, final: bool | None = None) -> service_pb2.Model
             response.outputs.add(name=name, datatype="BYTES", shape=list(array.shape))
             response.raw_output_contents.append(serialize_byte_tensor(array.reshape(-1)).item() if array.size else b"")
         else:
-            dtype = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}[array.dtype]
+            dtype = DATATYPES[array.dtype]
             response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
             response.raw_output_contents.append(array.tobytes())
     if final if final is not None else out.request_finished:
@@ -110,12 +122,16 @@ def _lp(texts: list[str], k: int) -> TokenLogprobs:
         StepOutput(
             "r", 1, 2, (7, 8), "xy", None, FinishReason.STOP, None, 40, 4, True, num_steps=2, num_cached_tokens=8
         ),
+        StepOutput(
+            "r", 0, 3, (7,), "x", None, FinishReason.LENGTH, None, 9, 4, True, timings=RequestTimings(0.1, 0.0, 1 / 3)
+        ),
     ],
 )
 async def test_decode_round_trip(out: StepOutput) -> None:
     assert decode_response(encode_step(out), "r") == out
     assert ("num_steps" in wire.encode_step(out)) == (out.num_steps > 1)  # absent means one step
     assert ("num_cached_tokens" in wire.encode_step(out)) == (out.num_cached_tokens > 0)  # absent means none
+    assert ("engine_timings" in wire.encode_step(out)) == (out.timings is not None)  # absent: not measured
     # absent means the sequence goes on
     assert ("finish_reason" in wire.encode_step(out)) == ("stop_reason" in wire.encode_step(out)) == out.finished
 
@@ -146,6 +162,13 @@ async def test_decode_empty_final_and_malformed() -> None:
     negative.raw_output_contents[cached] = np.array([-8], dtype=np.int32).tobytes()
     with pytest.raises(EngineFailure, match="num_cached_tokens must be >= 0"):
         decode_response(negative, "r")
+    timed = StepOutput("r", 0, 0, (1,), "x", None, FinishReason.STOP, None, 9, 1, True, timings=RequestTimings(1, 2, 3))
+    for values in ([1.0, -2.0, 3.0], [1.0, float("nan"), 3.0]):
+        bad_timings = encode_step(timed)
+        at = [o.name for o in bad_timings.outputs].index("engine_timings")
+        bad_timings.raw_output_contents[at] = np.array(values, dtype=np.float64).tobytes()
+        with pytest.raises(EngineFailure, match="engine_timings must hold 3 durations >= 0"):
+            decode_response(bad_timings, "r")
     no_raw = service_pb2.ModelInferResponse()
     no_raw.CopyFrom(good)
     del no_raw.raw_output_contents[:]
