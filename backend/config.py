@@ -112,6 +112,7 @@ class RuntimeInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    block_size: int  # tokens per KV block
 
 
 def instance_settings(params: dict[str, str], kind: str, cpu_instances: int, cpu_threads: int) -> dict[str, str]:

@@ -19,6 +19,7 @@ import torch
 
 from backend import huge_pages
 from backend.admission import AdmissionGroups
+from backend.beam_search import BeamSearch
 from backend.block_manager import BlockManager
 from backend.checkpoint import Checkpoint, load_checkpoint
 from backend.config import EngineConfig, RuntimeInfo
@@ -102,6 +103,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             vocab_size=model_cfg.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            block_size=config.block_size,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -137,6 +139,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.runtime, config.max_num_seqs, self.structured_outputs
         )
+        self._beam_searches: dict[str, BeamSearch] = {}  # beam-search requests: their beams and finished ones
         # Constrained requests whose grammar is still compiling: kept out of the scheduler until it is ready.
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._seq_ids = itertools.count()
@@ -163,7 +166,7 @@ class LLMEngine:
         Raises EngineOverloaded when the waiting sequences would pass `max_waiting_seqs`; the first
         request of an `admission_group` (the same client request) is judged for the whole group, which
         its other requests then join or are refused with (backend/admission.py)."""
-        if request.request_id in self.output_processor.requests or request.request_id in self._compiling:
+        if self._is_running(request.request_id) or request.request_id in self._compiling:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         if not self._admission_groups.joins_admitted(admission_group):
             refusal = self._admission_groups.refusal(admission_group) or self._queue_refusal(request, admission_group)
@@ -217,7 +220,16 @@ class LLMEngine:
         if compiled_grammar is not None:
             for seq in seqs:  # n > 1: each sibling walks the grammar on its own
                 seq.grammar = GrammarState(compiled_grammar)
-        self.output_processor.add_request(request.request_id, seqs)
+        if request.params.use_beam_search:
+            self._beam_searches[request.request_id] = BeamSearch(
+                request.request_id,
+                seqs,
+                self.tokenizer,
+                frozenset(self.runtime.eos_token_ids),
+                self.runtime.max_model_len,
+            )
+        else:
+            self.output_processor.add_request(request.request_id, seqs)
         self.scheduler.add_request(seqs)
         self._prompt_tokens += len(request.prompt_token_ids)
 
@@ -226,11 +238,17 @@ class LLMEngine:
         if request_id in self._compiling:  # admitted unconstrained only to be ended at once, like any other
             request, _ = self._compiling.pop(request_id)
             self._schedule_request(request, None)
-        if request_id not in self.output_processor.requests:
+        if not self._is_running(request_id):
             return
         seqs = self.scheduler.abort_request(request_id)
         self._aborted += 1
-        self._pending.extend(self.output_processor.abort_sequences(seqs))
+        if (search := self._beam_searches.pop(request_id, None)) is not None:
+            self._pending.extend(search.abort_messages())
+        else:
+            self._pending.extend(self.output_processor.abort_sequences(seqs))
+
+    def _is_running(self, request_id: str) -> bool:
+        return request_id in self.output_processor.requests or request_id in self._beam_searches
 
     def has_work(self) -> bool:
         return bool(self._pending) or bool(self._compiling) or self.scheduler.has_unfinished()
@@ -244,14 +262,48 @@ class LLMEngine:
             result = self.runner.execute(batch)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             return self._pending_outputs() + self._fail_batch(batch, exc)
+        beam_messages = self._advance_beams(result) if self._beam_searches else []
         self.scheduler.update_from_output([(seq, tuple(t.token_id for t in toks)) for seq, toks in result.sampled])
         messages, finished = self.output_processor.process(result)
         for seq in finished:
             self.scheduler.finish(seq)
+        messages += beam_messages
         self._generation_tokens += sum(len(m.token_ids) for m in messages)
         if self.speculator is not None:
             self._speculate(batch, result)
         return self._pending_outputs() + messages
+
+    def _advance_beams(self, result) -> list[EngineOutput]:
+        """Takes the beam-search sequences' rows out of the step's result and advances their searches
+        (backend/beam_search.py): beams move between sequences, spare ones finish, and a search that
+        ended returns its request's messages. A search one of whose beams missed the step (preempted)
+        waits for it: the beams that sampled compute their last token again next step."""
+        rows: dict[str, dict] = {}
+        plain = []
+        for seq, toks in result.sampled:
+            if seq.request_id in self._beam_searches:
+                rows.setdefault(seq.request_id, {})[seq] = toks[-1]
+            else:
+                plain.append((seq, toks))
+        result.sampled = plain
+        messages: list[EngineOutput] = []
+        for request_id, sampled in rows.items():
+            search = self._beam_searches[request_id]
+            step = search.advance(sampled)
+            if step is None:
+                for seq in sampled:
+                    seq.num_computed_tokens -= 1
+                continue
+            for choice in step.choices:
+                if choice.moves:
+                    self.scheduler.fork_beam(choice.seq, choice.parent)
+            self.scheduler.update_from_output([(c.seq, (c.token.token_id,)) for c in step.choices])
+            for seq in step.dropped:
+                self.scheduler.finish(seq)
+            if step.outputs:
+                del self._beam_searches[request_id]
+                messages.extend(step.outputs)
+        return messages
 
     def _speculate(self, batch, result) -> None:
         """Judges this step's drafts and proposes the next step's, for the sequences that decode on."""
@@ -299,6 +351,7 @@ class LLMEngine:
         for request_id in request_ids:
             self.scheduler.abort_request(request_id, cache=False)
             self.output_processor.drop_request(request_id)
+            self._beam_searches.pop(request_id, None)
             failures.append(RequestFailure(request_id, f"engine error: {type(exc).__name__}: {exc}"))
         return failures
 

@@ -27,6 +27,8 @@ class InputProcessor:
         self._tokenizer = tokenizer
         self._vocab = runtime.vocab_size
         self._max_len = runtime.max_model_len
+        self._num_kv_tokens = runtime.num_kv_blocks * runtime.block_size
+        self._block_size = runtime.block_size
         self._max_num_seqs = max_num_seqs
         self._structured_outputs = structured_outputs  # (its check is thread-safe)
         self._max_token_chars = tokenizer.max_token_chars
@@ -92,8 +94,23 @@ class InputProcessor:
                 )
         if params.n > self._max_num_seqs:
             raise InvalidRequestError(f"n must be at most {self._max_num_seqs} on this server", "n")
+        if params.use_beam_search:
+            self._check_beams_fit(len(token_ids), params)
         if params.structured_outputs is not None:
             # a constraint over a size limit, or that does not parse, is refused here; it starts compiling
             self._structured_outputs.check(params.structured_outputs)
         bad = bad_words_token_ids(params.bad_words, lambda w: self._tokenizer.encode(w, add_special_tokens=False))
         return GenerateRequest(request_id, token_ids, params, bad, task)
+
+    def _check_beams_fit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A beam search advances its beams together: all n must fit in the KV pool at once, even
+        when preemption has taken the blocks they shared, or it could never finish."""
+        length = num_prompt_tokens + (params.max_tokens or self._max_len - num_prompt_tokens)
+        bs = self._block_size
+        needed = params.n * -(-length // bs) * bs
+        if needed > self._num_kv_tokens:
+            raise InvalidRequestError(
+                f"use_beam_search with n={params.n} beams of up to {length} tokens needs {needed} KV cache "
+                f"slots; this server has {self._num_kv_tokens}: lower n or max_tokens",
+                "max_tokens",
+            )

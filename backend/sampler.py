@@ -12,7 +12,8 @@
 
 Logprobs are the model's raw distribution (`log_softmax` of the unprocessed logits over the full
 vocabulary, vLLM's `raw_logprobs`): temperature, penalties, top-k/top-p and logit_bias never change
-them. The sampled token's entry is always there; `params.logprobs = k` adds the k most likely tokens.
+them. The sampled token's entry is always there; `params.logprobs = k` adds the k most likely tokens (a beam
+search row gets its 2n candidates: `SamplingParams.num_top_logprobs`).
 
 A row's draw comes only from its own `torch.Generator` (`make_generator`), so a seeded row picks the
 same token whatever other rows share the batch; rows without one share a batched draw from torch's
@@ -32,7 +33,7 @@ import torch
 from backend.logits_processors import FixedInputs, apply_grammar, apply_logits_processors
 from backend.structured_output import TokenBitmask
 from kernels import cpu_kernels
-from protocol import MAX_LOGPROBS, SamplingParams
+from protocol import SamplingParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
@@ -297,7 +298,7 @@ def _log_norm(logits: torch.Tensor) -> torch.Tensor:
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     ids = token_ids.tolist()
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    wanted = [i for i, row in enumerate(rows) if row.params.num_top_logprobs is not None]
     if not wanted:
         return [SampledToken(token_id=t) for t in ids]
     # log_softmax(raw) = raw - logsumexp(raw), evaluated only where needed (no (L, V) result)
@@ -308,7 +309,7 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[Sampli
         sub, tokens = raw[sel], token_ids[sel]  # (L, V), (L,)
     log_norm = _log_norm(sub)  # (L, 1)
     sampled = (sub.gather(1, tokens[:, None]) - log_norm).squeeze(1).tolist()  # (L,)
-    ks = [min(rows[i].params.logprobs, MAX_LOGPROBS) for i in wanted]
+    ks = [rows[i].params.num_top_logprobs for i in wanted]  # (validated: at most MAX_LOGPROBS, or 2 beam widths)
     k_max = min(max(ks), raw.shape[1])
     if k_max > 0:
         top_values, top_indices = sub.topk(k_max, dim=-1)  # (L, k_max), most likely first

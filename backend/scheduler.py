@@ -33,7 +33,8 @@ step with the pooled hidden state instead of a sampled token, so it never decode
 
 n > 1: the request's sequence 0 (the leader) prefills alone; its siblings wait as FORK_PENDING.
 When the leader samples for the first time they are forked from it (sharing its blocks, ref-counted)
-and sample their first token from the leader's logits row; after that each runs on its own.
+and sample their first token from the leader's logits row; after that each runs on its own. Beam search
+forks again later: `fork_beam` moves one running sibling onto another's tokens and blocks.
 """
 
 from __future__ import annotations
@@ -231,6 +232,15 @@ class Scheduler:
             if len(token_ids) > 1:
                 seq.num_computed_tokens += len(token_ids) - 1
                 self.block_manager.mark_computed(seq)
+
+    def fork_beam(self, seq: Sequence, parent: Sequence) -> None:
+        """Beam search (backend/beam_search.py): seq, running, drops its blocks and tokens and takes those
+        of parent, running beside it (its blocks shared, copy-on-write)."""
+        assert seq.status is parent.status is SequenceStatus.RUNNING and seq.request_id == parent.request_id
+        self.block_manager.free(seq)
+        seq.output_token_ids = list(parent.output_token_ids)
+        seq.num_computed_tokens = parent.num_computed_tokens
+        self.block_manager.fork(parent, seq)
 
     def finish(self, seq: Sequence, cache: bool = True) -> list[Sequence]:
         """End seq (and, for a leader that has not forked yet, its pending siblings); free their

@@ -149,7 +149,10 @@ def sampling_params(
         "ignore_eos": bool(req.ignore_eos),
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": req.skip_special_tokens is not False,
+        "use_beam_search": bool(req.use_beam_search),
     }
+    if req.use_beam_search and constraint is not None:
+        raise InvalidRequest(f"{constraint.param} is not supported with use_beam_search", constraint.param)
     for name in (
         "temperature",
         "top_p",
@@ -160,6 +163,8 @@ def sampling_params(
         "frequency_penalty",
         "repetition_penalty",
         "min_tokens",
+        "length_penalty",
+        "early_stopping",
     ):
         value = getattr(req, name)
         if value is not None:

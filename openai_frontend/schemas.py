@@ -140,11 +140,17 @@ class SamplingFields(_Request):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's beam search: n beams, the n best returned, not streamed (backend/beam_search.py).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
     @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+    def _not_streamed(self) -> SamplingFields:
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if self.use_beam_search and self.stream:
+            raise InvalidRequest("use_beam_search is not available when stream is true", "use_beam_search")
         return self
 
     @field_validator("logit_bias")

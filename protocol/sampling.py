@@ -23,6 +23,22 @@ MAX_LOGIT_BIAS = 300
 MAX_ALLOWED_TOKEN_IDS = 16384
 MAX_CACHE_SALT_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1  # the wire carries ids as INT32
+# Beam search keeps n beams and ranks 2n candidates of each at every step (vLLM's beam width is n, its
+# candidates 2n logprobs, bounded by its max_logprobs of 20).
+MAX_BEAM_WIDTH = 10
+# What beam search cannot honour (it ranks beams by the model's raw logprobs and cuts them at EOS, stop token
+# ids and the length bounds): a request that sets one of these with use_beam_search is a 400 naming it.
+_NOT_WITH_BEAM_SEARCH = (
+    ("stop", ()),
+    ("prompt_logprobs", None),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("logit_bias", ()),
+    ("allowed_token_ids", None),
+    ("bad_words", ()),
+    ("structured_outputs", None),
+)
 
 
 def _require(ok: bool, message: str, param: str) -> None:
@@ -165,6 +181,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a constraint the engine enforces on every token
     # vLLM's cache_salt: requests share cached prefix blocks only with requests of the same salt (None: unsalted).
     cache_salt: str | None = None
+    # Beam search (vLLM's use_beam_search; backend/beam_search.py): n beams, the n best returned. A beam's
+    # score is its cumulative logprob / (prompt + output tokens) ** length_penalty; early_stopping ends the
+    # search once n beams have finished. Temperature, top_p, top_k, min_p and seed do not apply.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]", "n")
@@ -271,10 +293,33 @@ class SamplingParams:
             "structured_outputs must be a StructuredOutputs",
             "structured_outputs",
         )
+        _require(isinstance(self.use_beam_search, bool), "use_beam_search must be a boolean", "use_beam_search")
+        _require(isinstance(self.early_stopping, bool), "early_stopping must be a boolean", "early_stopping")
+        _require(
+            _finite(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0,
+            "length_penalty must be in [-10, 10]",
+            "length_penalty",
+        )
+        if self.use_beam_search:
+            _require(
+                self.n <= MAX_BEAM_WIDTH,
+                f"use_beam_search keeps n beams: n must be at most {MAX_BEAM_WIDTH}",
+                "n",
+            )
+            for name, default in _NOT_WITH_BEAM_SEARCH:
+                _require(getattr(self, name) == default, f"{name} is not supported with use_beam_search", name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """How many most likely tokens the sampler reports for each sampled token (None: no logprobs):
+        the k of `logprobs`, or for beam search its 2n candidates if more."""
+        if self.use_beam_search:
+            return max(2 * self.n, self.logprobs or 0)
+        return self.logprobs
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -302,7 +347,15 @@ class SamplingParams:
                 raise InvalidRequestError("logit_bias maps token ids to numbers", "logit_bias") from None
         if kwargs.get("structured_outputs") is not None:
             kwargs["structured_outputs"] = StructuredOutputs.from_dict(kwargs["structured_outputs"])
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "length_penalty",
+        ):
             if isinstance(kwargs.get(name), int) and not isinstance(kwargs.get(name), bool):
                 kwargs[name] = float(kwargs[name])
             elif name in kwargs and not isinstance(kwargs[name], float):
@@ -335,6 +388,9 @@ class SamplingParams:
             out["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.cache_salt is None:
             del out["cache_salt"]
+        if not self.use_beam_search:
+            for name in ("use_beam_search", "length_penalty", "early_stopping"):
+                del out[name]
         if self.structured_outputs is None:
             del out["structured_outputs"]
         else:
