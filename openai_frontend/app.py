@@ -6,6 +6,7 @@ FastAPI's 422) and name the offending field.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
@@ -37,13 +38,17 @@ from openai_frontend.service import Service
 from openai_frontend.settings import Settings
 from openai_frontend.shutdown import Drain
 from openai_frontend.tokenizer_api import TokenizerAPI
+from openai_frontend.tracing import RequestTracer, otlp_tracer
 
 log = logging.getLogger("openai_frontend")
 
 
-def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, settings: Settings | None = None, tracer: RequestTracer | None = None) -> FastAPI:
+    """`tracer`: the spans' tracer (tests); None: the OTLP exporter of `--otlp-traces-endpoint`, if given."""
     settings = settings or Settings()
     metrics = Metrics()
+    if tracer is None and settings.otlp_traces_endpoint is not None:
+        tracer = otlp_tracer(settings.otlp_traces_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +60,8 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
         yield
         await app.state.service.responses.stop()
         await engine.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # (exports the spans still queued)
 
     app = FastAPI(title="LLM serving OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
     if isinstance(getattr(engine, "registry", None), CollectorRegistry):
@@ -87,7 +94,8 @@ def create_app(engine: EngineClient, settings: Settings | None = None) -> FastAP
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(_RefuseWhileDraining, drain=app.state.drain)
     app.add_middleware(_RequestMetrics, metrics=metrics)
-    app.add_middleware(RequestIds, log_texts=settings.log_requests)  # outermost: every response has its id
+    # Outermost: every response has its id, and a traced request's span covers all of it.
+    app.add_middleware(RequestIds, log_texts=settings.log_requests, tracer=tracer)
     return app
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -51,15 +52,21 @@ class EmbeddingService:
             _check_dimensions(req.dimensions, self._sizes[model.name], model.name)
         response_id, engine_request_id = response_ids("embd")
         group = AdmissionGroup(engine_request_id, len(prompts)) if len(prompts) > 1 else None
-        outs = await self._embed_all(model.name, prompts, engine_request_id, group)
+        record = current_request.get()
+        headers = None if record is None else record.trace_headers
+        outs = await self._embed_all(model.name, prompts, engine_request_id, group, headers)
+        received_at = time.monotonic()
         size = len(outs[0].embedding or ())
         self._sizes[model.name] = size
         if req.dimensions is not None:
             _check_dimensions(req.dimensions, size, model.name)
         tokens = sum(out.num_prompt_tokens for out in outs)
-        record = current_request.get()
         if record is not None:  # the access log line's numbers (request_log.py)
             record.generated = True
+            record.model = model.name
+            for out in outs:
+                if out.timings is not None:
+                    record.add_engine_timings(out.timings, received_at)
             record.prompt_tokens += tokens
             record.cached_tokens += sum(out.num_cached_tokens for out in outs)
             record.finish_reasons += [out.finish_reason.value for out in outs if out.finish_reason is not None]
@@ -85,23 +92,38 @@ class EmbeddingService:
         return prompts
 
     async def _embed_all(
-        self, model: str, prompts: list[Prompt], request_id: str, group: AdmissionGroup | None
+        self,
+        model: str,
+        prompts: list[Prompt],
+        request_id: str,
+        group: AdmissionGroup | None,
+        headers: Mapping[str, str] | None,
     ) -> list[StepOutput]:
         try:
             if len(prompts) == 1:
-                return [await self._embed(model, prompts[0], f"{request_id}-0", group)]
+                return [await self._embed(model, prompts[0], f"{request_id}-0", group, headers)]
             async with asyncio.TaskGroup() as tasks:  # the first failure cancels the others
                 running = [
-                    tasks.create_task(self._embed(model, p, f"{request_id}-{i}", group)) for i, p in enumerate(prompts)
+                    tasks.create_task(self._embed(model, p, f"{request_id}-{i}", group, headers))
+                    for i, p in enumerate(prompts)
                 ]
         except* FrontendError as group_error:
             raise _named(group_error.exceptions[0]) from None
         return [task.result() for task in running]
 
-    async def _embed(self, model: str, prompt: Prompt, request_id: str, group: AdmissionGroup | None) -> StepOutput:
+    async def _embed(
+        self,
+        model: str,
+        prompt: Prompt,
+        request_id: str,
+        group: AdmissionGroup | None,
+        headers: Mapping[str, str] | None,
+    ) -> StepOutput:
         """One input's engine request: its one message, which carries the vector."""
         try:
-            stream = self.engine.generate(model, prompt, _NO_SAMPLING, request_id, group, task=Task.EMBED)
+            stream = self.engine.generate(
+                model, prompt, _NO_SAMPLING, request_id, group, task=Task.EMBED, headers=headers
+            )
             async with aclosing(stream):
                 async for out in stream:
                     if out.embedding is None or not out.finished:

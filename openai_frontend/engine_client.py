@@ -8,7 +8,7 @@ never return error values.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,13 +49,15 @@ class EngineClient(Protocol):
         request_id: str,
         admission_group: AdmissionGroup | None = None,
         task: Task = Task.GENERATE,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[StepOutput]:
         """One engine request: yields one StepOutput per sequence per step, in arrival order.
 
         Values are passed on as received (no checking of step order: the service does that).
         `admission_group`: the other engine requests of the same client request (a batch of prompts),
         which the engine's queue bound admits together with the first. `task` EMBED: the prompt is run
-        and nothing generated (`params` unused); its one StepOutput carries the embedding.
+        and nothing generated (`params` unused); its one StepOutput carries the embedding. `headers` go with
+        the request as its gRPC metadata (the W3C trace context of a traced request: tracing.py).
         Raises InvalidRequest (the engine refused it), EngineFailure or EngineUnavailable. Closing
         the iterator before the end (client gone) cancels the engine request.
         """

@@ -27,7 +27,7 @@ from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
 from openai_frontend.metrics import Metrics
 from openai_frontend.request_log import RequestRecord, clipped
-from protocol import AdmissionGroup, SamplingParams, StepOutput
+from protocol import AdmissionGroup, RequestTimings, SamplingParams, StepOutput
 
 
 @dataclass(slots=True)
@@ -97,6 +97,9 @@ class Generation:
         self._cached_tokens: dict[int, int] = {}  # prompt_index -> num_cached_tokens, once heard from
         self._completion_tokens = 0
         self._first_token_time: float | None = None
+        self._end_time: float | None = None
+        # Each finished sequence's engine timings and when its last message came, for the access log and trace.
+        self._timings: list[tuple[RequestTimings, float]] = []
         # --log-requests: each sequence's text, kept by a wrapper of the events (no cost otherwise).
         self._texts: dict[tuple[int, int], list[str]] | None = {} if record and record.log_texts else None
         # Several prompts are several engine requests: the engine's queue bound admits them as one.
@@ -137,7 +140,8 @@ class Generation:
         finally:
             self.metrics.requests_in_flight.dec()
             self.metrics.in_flight -= 1
-            self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
+            self._end_time = time.monotonic()
+            self.metrics.e2e_request_latency.observe(self._end_time - self.arrival)
             if self.record is not None:
                 self._report(self.record)
 
@@ -150,6 +154,11 @@ class Generation:
         record.cached_tokens += usage.cached_tokens
         if record.ttft_s is None and self._first_token_time is not None:
             record.ttft_s = self._first_token_time - self.arrival
+        if self._end_time is not None:
+            record.e2e_s = max(record.e2e_s or 0.0, self._end_time - self.arrival)
+        for timings, received_at in self._timings:
+            record.add_engine_timings(timings, received_at)
+        record.model, record.params = self.model, self.params
         record.finish_reasons += [self._seqs[key].finish_reason for key in sorted(self._seqs)]
         if self._texts is not None:
             record.prompts += [clipped(p if isinstance(p, str) else str(list(p))) for p in self.prompts]
@@ -193,7 +202,12 @@ class Generation:
         finished: set[int] = set()
         try:
             stream = self.engine.generate(
-                self.model, engine_prompt, self.params, f"{self.request_id}-{p}", self._admission_group
+                self.model,
+                engine_prompt,
+                self.params,
+                f"{self.request_id}-{p}",
+                self._admission_group,
+                headers=None if self.record is None else self.record.trace_headers,
             )
             async with aclosing(stream):
                 async for out in stream:
@@ -244,6 +258,8 @@ class Generation:
         state.tokens += ntok
         if out.finish_reason is not None:
             state.finished, state.finish_reason = True, out.finish_reason.value
+            if out.timings is not None:
+                self._timings.append((out.timings, time.monotonic()))
         if p not in self._prompt_tokens:
             self._prompt_tokens[p] = out.num_prompt_tokens
             self._cached_tokens[p] = out.num_cached_tokens

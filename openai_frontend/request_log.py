@@ -8,7 +8,12 @@ two requests in flight with the same id stay two requests.
 
 `RequestIds` (a pure ASGI middleware: streams stay unbuffered) holds the request's `RequestRecord` in a
 context variable; the request's Generation fills in its numbers once, when it ends, and the middleware
-writes the line on the `openai_frontend.access` logger when the response has ended (streams too).
+writes the line on the `openai_frontend.access` logger when the response has ended (streams too). With
+`--otlp-traces-endpoint` it also starts the request's span and ends it from the same record (tracing.py).
+
+The engine's phases (`queue_s`, `prefill_s`, `decode_s`: its RequestTimings, docs/wire-contract.md) are,
+for a request of several sequences or prompts, each the largest of its sequences': the longest wait, the
+slowest prefill, the longest decode (so they need not come from one sequence).
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ import secrets
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_frontend.errors import InvalidRequest
+from protocol import RequestTimings, SamplingParams
+
+if TYPE_CHECKING:
+    from openai_frontend.tracing import RequestTracer
 
 HEADER = "X-Request-Id"
 _HEADER_KEY = HEADER.lower().encode()
@@ -36,6 +46,15 @@ _VALID_ID = re.compile(rb"[!-~]{1,128}")
 MAX_LOGGED_CHARS = 2048  # --log-requests: each prompt and output is cut to this many characters
 
 access_log = logging.getLogger("openai_frontend.access")
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePhases:
+    """The engine's timings of the request's sequence whose last message came last, and when it came
+    (time.monotonic() here): where the trace places the engine's phases."""
+
+    timings: RequestTimings
+    received_at: float
 
 
 @dataclass(slots=True)
@@ -50,9 +69,27 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     ttft_s: float | None = None
+    e2e_s: float | None = None  # arrival to the end of the engine work
+    queue_s: float | None = None  # the engine's phases, each the largest of the sequences' (None: not measured)
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    engine_phases: EnginePhases | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    # What the trace's attributes name (tracing.py): the model the client asked for and the sampling params.
+    model: str | None = None
+    params: SamplingParams | None = None
+    # A traced request's W3C trace context, sent with its engine requests as gRPC metadata (None: not traced).
+    trace_headers: Mapping[str, str] | None = None
+
+    def add_engine_timings(self, timings: RequestTimings, received_at: float) -> None:
+        """One sequence's engine timings, from its last message, which came at `received_at`."""
+        self.queue_s = max(self.queue_s or 0.0, timings.queued_s)
+        self.prefill_s = max(self.prefill_s or 0.0, timings.prefill_s)
+        self.decode_s = max(self.decode_s or 0.0, timings.decode_s)
+        if self.engine_phases is None or received_at >= self.engine_phases.received_at:
+            self.engine_phases = EnginePhases(timings, received_at)
 
     def response_ids(self, prefix: str) -> tuple[str, str]:
         """(the response's id, the engine request id) of a generation with this id prefix."""
@@ -67,12 +104,19 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "ttft_s": _rounded(self.ttft_s),
+            "queue_s": _rounded(self.queue_s),
+            "prefill_s": _rounded(self.prefill_s),
+            "decode_s": _rounded(self.decode_s),
             "finish_reasons": self.finish_reasons,
         }
         if self.log_texts:
             out["prompts"], out["outputs"] = self.prompts, self.outputs
         return out
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
 
 
 current_request: ContextVar[RequestRecord | None] = ContextVar("current_request", default=None)
@@ -97,10 +141,11 @@ class RequestIds:
     back on every response, and writes the request's access log line when its response has ended.
 
     A malformed X-Request-Id (over 128 characters, or not printable ASCII) is a 400 naming the header:
-    replacing it silently would leave the client grepping logs for an id no line holds."""
+    replacing it silently would leave the client grepping logs for an id no line holds. With a tracer, a
+    generation request also gets its span (tracing.py), ended when its response has ended."""
 
-    def __init__(self, app: ASGIApp, log_texts: bool) -> None:
-        self.app, self.log_texts = app, log_texts
+    def __init__(self, app: ASGIApp, log_texts: bool, tracer: RequestTracer | None = None) -> None:
+        self.app, self.log_texts, self.tracer = app, log_texts, tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,6 +157,10 @@ class RequestIds:
         client_given = bool(given) and valid
         request_id = given.decode("ascii") if client_given else uuid.uuid4().hex
         record = RequestRecord(request_id, client_given, self.log_texts)
+        span = None
+        if self.tracer is not None and valid and self.tracer.traces(scope):
+            span = self.tracer.start(scope, start)
+            record.trace_headers = span.headers
         id_header = (_HEADER_KEY, request_id.encode("ascii"))
         status: int | None = None  # None: the response never started (the client left first)
 
@@ -131,8 +180,11 @@ class RequestIds:
                 await JSONResponse(error.to_dict(), status_code=error.status_code)(scope, receive, send_with_id)
         finally:
             current_request.reset(token)
+            end = time.monotonic()
             if access_log.isEnabledFor(logging.INFO):
-                access_log.info(_line(scope, record, status, time.monotonic() - start))
+                access_log.info(_line(scope, record, status, end - start))
+            if span is not None:
+                self.tracer.end(span, record, status, end)
 
 
 def _line(scope: Scope, record: RequestRecord, status: int | None, duration_s: float) -> str:

@@ -16,7 +16,7 @@ A served name hides a Triton model of the same name.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from openai_frontend.engine_client import EngineClient, ModelInfo
@@ -104,11 +104,12 @@ class NamedEngine:
         request_id: str,
         admission_group: AdmissionGroup | None = None,
         task: Task = Task.GENERATE,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[StepOutput]:
         target = self._target(model)  # known: the services ask model_config first
         if target is None:
             raise ModelNotFound(model)
-        return self._engine.generate(target, prompt, params, request_id, admission_group, task)
+        return self._engine.generate(target, prompt, params, request_id, admission_group, task, headers)
 
     def abort_all(self, reason: str) -> int:
         return self._engine.abort_all(reason)

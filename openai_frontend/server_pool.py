@@ -27,7 +27,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -147,6 +147,7 @@ class ServerPool:
         request_id: str,
         admission_group: AdmissionGroup | None = None,
         task: Task = Task.GENERATE,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[StepOutput]:
         await self._refresh()
         tried: set[str] = set()
@@ -163,7 +164,7 @@ class ServerPool:
             self._m_in_flight.labels(server.url).inc()
             self._m_routed.labels(server.url).inc()
             try:
-                stream = server.client.generate(model, prompt, params, request_id, admission_group, task)
+                stream = server.client.generate(model, prompt, params, request_id, admission_group, task, headers)
                 try:
                     async for out in stream:
                         started = True

@@ -32,6 +32,7 @@ class Settings:
     api_key: str | None = None
     log_level: str = "info"
     log_requests: bool = False  # prompts and outputs in the access log (request_log.py): users' data, so opt-in
+    otlp_traces_endpoint: str | None = None  # None: no tracing (tracing.py)
     served_names: ServedNames = ServedNames()  # --served-model-name: the names clients use for the models
     tokenizer: str | None = None  # None: the model's own (its Triton `model` parameter), read from this machine
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413 before it is read
@@ -78,6 +79,8 @@ class Settings:
             raise ValueError("--response-lease-s, --response-poll-ms and --response-ttl-s must be > 0")
         if self.response_store_max < 1:
             raise ValueError("--response-store-max must be >= 1")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.strip():
+            raise ValueError("--otlp-traces-endpoint must not be empty")
 
     def response_store_url(self) -> str:
         return self.response_store or f"sqlite:///{os.path.join(self.state_dir, 'responses.db')}"
@@ -264,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="add each request's prompts and outputs (each cut to 2048 characters) to its access log line; "
         "off by default, since they hold users' data",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send an OpenTelemetry span per generation request to this OTLP/gRPC collector "
+        "(e.g. http://localhost:4317; vLLM's flag); unset: no tracing",
+    )
     return parser
 
 
@@ -281,6 +291,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
             api_key=args.api_key or os.environ.get("FRONTEND_API_KEY") or None,
             log_level=args.log_level,
             log_requests=args.log_requests,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             served_names=ServedNames.parse(args.served_model_names),
             tokenizer=args.tokenizer,
             max_request_bytes=args.max_request_bytes,

@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -169,14 +169,16 @@ class _Stream:
     read the final response leaves no doubt about when the server may end the call.
     """
 
-    def __init__(self, stub: Any, request: service_pb2.ModelInferRequest) -> None:
+    def __init__(
+        self, stub: Any, request: service_pb2.ModelInferRequest, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> None:
         self._done = asyncio.Event()
 
         async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
             yield request
             await self._done.wait()
 
-        self._call = stub.ModelStreamInfer(requests())
+        self._call = stub.ModelStreamInfer(requests(), metadata=metadata)
 
     def __aiter__(self) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         return self._call.__aiter__()
@@ -281,9 +283,11 @@ class TritonEngineClient:
         message = e.message() if isinstance(e, InferenceServerException) else str(e)
         return EngineUnavailable(f"Triton at {self.url} is not available: {message}")
 
-    def _open_stream(self, request: service_pb2.ModelInferRequest) -> _Stream:
+    def _open_stream(
+        self, request: service_pb2.ModelInferRequest, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> _Stream:
         # Tests override this to serve responses without a server.
-        return _Stream(self._grpc()._client_stub, request)
+        return _Stream(self._grpc()._client_stub, request, metadata)
 
     async def probe(self, model: str) -> str:
         """The id of the engine instance that answers a health probe; raises EngineUnavailable or
@@ -318,9 +322,11 @@ class TritonEngineClient:
         request_id: str,
         admission_group: AdmissionGroup | None = None,
         task: Task = Task.GENERATE,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[StepOutput]:
         self.watchdog.check(model)  # a dead engine: 503 at once
-        stream = self._open_stream(build_request(model, prompt, params, request_id, admission_group, task))
+        request = build_request(model, prompt, params, request_id, admission_group, task)
+        stream = self._open_stream(request, tuple(headers.items()) if headers else None)
         killed: list[str] = []
 
         def kill(reason: str) -> None:  # the watchdog found the engine dead: end this stream now

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from openai_frontend.engine_client import ModelInfo
 from openai_frontend.errors import EngineUnavailable, ModelNotFound
-from protocol import AdmissionGroup, FinishReason, SamplingParams, StepOutput, Task, TokenLogprobs
+from protocol import AdmissionGroup, FinishReason, RequestTimings, SamplingParams, StepOutput, Task, TokenLogprobs
 
 ScriptItem = StepOutput | Exception | float
 Script = Callable[[str | list[int], SamplingParams], Sequence[ScriptItem]]
 EmbedScript = Callable[[str | list[int]], Sequence[ScriptItem]]
 FAKE_HIDDEN_SIZE = 8
+# The engine timings on each sequence's last message (binary fractions: exact on the wire).
+FAKE_TIMINGS = RequestTimings(queued_s=0.25, prefill_s=0.125, decode_s=0.5)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"  # noqa: E501
@@ -46,9 +48,11 @@ def scripted_steps(
     logprobs: int | None = None,
     stop_reason: str | int | None = None,
     request_id: str = "fake",
+    timings: RequestTimings | None = FAKE_TIMINGS,
 ) -> list[StepOutput]:
     """StepOutputs of n sequences (one per list of token texts), one token per step, interleaved by
-    step; each sequence's last step carries its finish reason, the very last one `request_finished`."""
+    step; each sequence's last step carries its finish reason and `timings`, the very last one
+    `request_finished`."""
     finishes = [finish] * len(seq_tokens) if isinstance(finish, (str, FinishReason)) else list(finish)
     steps: list[StepOutput] = []
     for step in range(max(len(t) for t in seq_tokens)):
@@ -81,6 +85,7 @@ def scripted_steps(
                     num_prompt_tokens=prompt_tokens,
                     num_output_tokens=step + 1,
                     num_cached_tokens=cached_tokens,
+                    timings=timings if last else None,
                 )
             )
     steps[-1] = dataclasses.replace(steps[-1], request_finished=True)
@@ -120,6 +125,7 @@ def embedding_steps(prompt: str | list[int]) -> list[ScriptItem]:
             num_output_tokens=0,
             request_finished=True,
             embedding=fake_embedding(prompt),
+            timings=RequestTimings(queued_s=0.25, prefill_s=0.125, decode_s=0.0),
         )
     ]
 
@@ -132,6 +138,7 @@ class GenerateCall:
     request_id: str
     admission_group: AdmissionGroup | None = None
     task: Task = Task.GENERATE
+    headers: Mapping[str, str] | None = None
 
 
 class FakeEngineClient:
@@ -178,9 +185,10 @@ class FakeEngineClient:
         request_id: str,
         admission_group: AdmissionGroup | None = None,
         task: Task = Task.GENERATE,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[StepOutput]:
         self._check_available()
-        self.calls.append(GenerateCall(model, prompt, params, request_id, admission_group, task))
+        self.calls.append(GenerateCall(model, prompt, params, request_id, admission_group, task, headers))
         items = self.embed_script(prompt) if task is Task.EMBED else self.script(prompt, params)
         finished: set[int] = set()
         done = False

@@ -13,7 +13,8 @@ import pytest
 from openai_frontend.app import create_app
 from openai_frontend.request_log import MAX_LOGGED_CHARS, clipped
 from openai_frontend.settings import Settings
-from tests.fake_engine import FAKE_MODEL, FakeEngineClient
+from protocol import RequestTimings
+from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
 
 MODEL = FAKE_MODEL.name
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
@@ -86,7 +87,36 @@ async def test_the_access_line_of_a_generation(stream: bool, caplog: pytest.LogC
     if not stream:
         assert line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert line["finish_reasons"] == ["length"]
+    assert (line["queue_s"], line["prefill_s"], line["decode_s"]) == (0.25, 0.125, 0.5)  # the engine's (FAKE_TIMINGS)
     assert "prompts" not in line and "outputs" not in line  # never by default
+
+
+async def test_the_engine_phases_of_several_sequences_are_each_the_largest(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="openai_frontend.access")
+    timings = {"a": RequestTimings(0.5, 0.125, 0.25), "b": RequestTimings(0.25, 0.375, 1.0)}
+
+    def script(prompt, params):
+        return scripted_steps([["x", "y"]] * params.n, timings=timings[prompt])
+
+    async with client(FakeEngineClient(script)) as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+    assert r.status_code == 200
+    untimed = FakeEngineClient(lambda prompt, params: scripted_steps([["x"]], timings=None))  # a model without them
+    async with client(untimed) as c:
+        await c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    timed_line, untimed_line = access_lines(caplog)
+    assert (timed_line["queue_s"], timed_line["prefill_s"], timed_line["decode_s"]) == (0.5, 0.375, 1.0)
+    assert untimed_line["queue_s"] is untimed_line["prefill_s"] is untimed_line["decode_s"] is None
+    assert untimed_line["completion_tokens"] == 1
+
+
+async def test_the_access_line_of_an_embedding_has_its_engine_phases(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="openai_frontend.access")
+    async with client(FakeEngineClient()) as c:
+        r = await c.post("/v1/embeddings", json={"model": MODEL, "input": ["one", "two"]})
+    assert r.status_code == 200
+    [line] = access_lines(caplog)
+    assert (line["queue_s"], line["prefill_s"], line["decode_s"]) == (0.25, 0.125, 0.0)
 
 
 async def test_the_access_line_of_an_error(caplog: pytest.LogCaptureFixture) -> None:

@@ -56,7 +56,14 @@ class FakeServer:
         return ModelInfo(model)
 
     async def generate(
-        self, model: str, prompt, params: SamplingParams, request_id: str, admission_group=None, task=Task.GENERATE
+        self,
+        model: str,
+        prompt,
+        params: SamplingParams,
+        request_id: str,
+        admission_group=None,
+        task=Task.GENERATE,
+        headers=None,
     ) -> AsyncIterator[StepOutput]:
         if self.refuse:
             raise EngineUnavailable(f"{self.url} unreachable")

@@ -305,6 +305,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self) -> None:
         self.responder: Responder = lambda request: []
         self.requests: list[service_pb2.ModelInferRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each request's gRPC metadata
         self.cancelled = asyncio.Event()
         self.cancel_messages: list[str] = []  # the request ids cancel messages named
         self.models = {"llm": ("READY", "llm"), "resnet": ("READY", "image"), "llm-loading": ("LOADING", "llm")}
@@ -344,6 +345,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield service_pb2.ModelStreamInferResponse(infer_response=final)
                 return
             self.requests.append(request)
+            self.metadata.append(dict(context.invocation_metadata()))
             for item in self.responder(request):
                 if isinstance(item, float):
                     await asyncio.sleep(item)
@@ -412,6 +414,22 @@ async def test_generate_streams_until_final(triton) -> None:
         assert [o.text_delta for o in outs] == ["a", "c", "b"] and not outs[-1].request_finished
     finally:
         await client.close()
+
+
+async def test_headers_go_with_the_request_as_its_grpc_metadata(triton) -> None:
+    server, url = triton
+    server.responder = lambda request: [ok(s) for s in scripted_steps([["a"]])]
+    client = TritonEngineClient(url)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    try:
+        await _collect(client, params=SamplingParams())
+        headers = {"traceparent": traceparent, "tracestate": "k=v"}
+        outs = [o async for o in client.generate("llm", "x", SamplingParams(), "r", headers=headers)]
+        assert outs[-1].request_finished
+    finally:
+        await client.close()
+    assert "traceparent" not in server.metadata[0]
+    assert server.metadata[1]["traceparent"] == traceparent and server.metadata[1]["tracestate"] == "k=v"
 
 
 def _fields(s: StepOutput) -> dict[str, Any]:
