@@ -19,11 +19,13 @@ finished with a stop token: the outputs are the n best of those.
 
 Beams advance together: a step in which a live beam did not sample (it was preempted) advances none
 of them (`advance` returns None and the engine has the others compute their last token again).
-Nothing is streamed: each sequence's one message carries its whole output. No torch here.
+Nothing is streamed: each sequence's one message carries its whole output, and the leader's timings
+(its queue and prefill, its first token: the search's). No torch here.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from backend.detokenizer import IncrementalDetokenizer
@@ -95,6 +97,9 @@ class BeamSearch:
         parents = [s for s in self.seqs if s.seq_id in self._beams]
         if any(p not in sampled for p in parents):
             return None
+        leader = self.seqs[0]
+        if leader.first_token_at is None:
+            leader.first_token_at = time.monotonic()
         width, k = self._width, self.params.logprobs
         candidates: list[tuple[float, Sequence, SampledToken]] = []
         for parent in parents:
@@ -243,4 +248,5 @@ class BeamSearch:
             num_output_tokens=len(token_ids),
             num_cached_tokens=self.seqs[0].num_cached_tokens or 0,
             request_finished=request_finished,
+            timings=self.seqs[0].timings(time.monotonic()),  # (the beams share the leader's phases)
         )

@@ -73,6 +73,7 @@ def test_a_beam_with_two_extensions_moves_one_into_the_sequence_whose_beam_has_n
     ]
     assert sum(step.outputs[0].logprobs.logprobs) == pytest.approx(-0.1 - 0.1 - 0.1 - 0.1)
     assert [o.request_finished for o in step.outputs] == [False, True]
+    assert all(o.timings is not None and min(o.timings.queued_s, o.timings.decode_s) >= 0 for o in step.outputs)
     assert all(o.step == 0 and o.num_output_tokens == 4 for o in step.outputs)
 
 
