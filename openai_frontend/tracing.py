@@ -16,9 +16,10 @@ The engine's phases are durations of the engine's clock (RequestTimings), and th
 another host, so the events are placed on the frontend's clock, counting back from the arrival here of
 the last message of the sequence that finished last: `finished` then, `first_token` its `decode_s`
 before, `scheduled` its `prefill_s` before that, `queued` its `queued_s` before that (none before the
-span's start). The latency attributes are the request's: `time_in_queue`, `time_in_model_prefill` and
-`time_in_model_decode` each the largest of its sequences' (as the access log's `queue_s`, `prefill_s`,
-`decode_s`), `time_to_first_token` and `e2e` from the request's arrival.
+span's start; no `first_token` for a request that generated no token, as an embedding). The latency
+attributes are the request's: `time_in_queue`, `time_in_model_prefill` and `time_in_model_decode` each
+the largest of its sequences' (as the access log's `queue_s`, `prefill_s`, `decode_s`),
+`time_to_first_token` (none without a token) and `e2e` from the request's arrival.
 """
 
 from __future__ import annotations
@@ -126,14 +127,17 @@ class RequestTracer:
             attributes[GenAI.REQUEST_TEMPERATURE] = params.temperature
             attributes[GenAI.REQUEST_TOP_P] = params.top_p
             attributes[GenAI.REQUEST_N] = params.n
+        e2e_s = record.e2e_s
         if record.generated:
+            if e2e_s is None:  # (an embedding: its engine work ends with the response)
+                e2e_s = end_monotonic - request.start_monotonic
             attributes[GenAI.USAGE_PROMPT_TOKENS] = record.prompt_tokens
             attributes[GenAI.USAGE_COMPLETION_TOKENS] = record.completion_tokens
             attributes[GenAI.RESPONSE_FINISH_REASONS] = [r for r in record.finish_reasons if r is not None]
         for name, seconds in (
             (GenAI.LATENCY_TIME_IN_QUEUE, record.queue_s),
             (GenAI.LATENCY_TIME_TO_FIRST_TOKEN, record.ttft_s),
-            (GenAI.LATENCY_E2E, record.e2e_s),
+            (GenAI.LATENCY_E2E, e2e_s),
             (GenAI.LATENCY_TIME_IN_MODEL_PREFILL, record.prefill_s),
             (GenAI.LATENCY_TIME_IN_MODEL_DECODE, record.decode_s),
         ):
@@ -147,11 +151,18 @@ class RequestTracer:
             first_token = finished - int(t.decode_s * 1e9)
             scheduled = first_token - int(t.prefill_s * 1e9)
             queued = scheduled - int(t.queued_s * 1e9)
+            events = [
+                ("queued", queued),
+                ("scheduled", scheduled),
+                ("first_token", first_token),
+                ("finished", finished),
+            ]
+            if not record.completion_tokens:  # (an embedding, or an abort before any token)
+                del events[2]
             at = request.start_ns
-            for name, when in (("queued", queued), ("scheduled", scheduled), ("first_token", first_token)):
+            for name, when in events:
                 at = max(at, when)
                 span.add_event(name, timestamp=at)
-            span.add_event("finished", timestamp=max(at, finished))
         span.end(end_time=max(request.ns(end_monotonic), request.start_ns))
 
     def shutdown(self) -> None:
