@@ -18,7 +18,7 @@ from openai_frontend.engine_client import EngineClient, ModelInfo
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.generation import Usage
 from openai_frontend.logprobs import chat_logprobs
-from openai_frontend.merge import merge_chat
+from openai_frontend.merge import given, merge_chat
 from openai_frontend.metrics import Metrics
 from openai_frontend.plans import ChatPlan, Prompt, engine_prompt, kept_prompt_tokens, sampling_params, usage_options
 from openai_frontend.responses import (
@@ -115,8 +115,8 @@ class ChatService:
             model=plan.model,
             choices=merged.choices,
             usage=merged.usage,
-            prompt_token_ids=MISSING if first is None else first.prompt_token_ids,
-            prompt_logprobs=MISSING if first is None else first.prompt_logprobs,
+            prompt_token_ids=None if first is None else given(first.prompt_token_ids),
+            prompt_logprobs=None if first is None else given(first.prompt_logprobs),
         )
 
     async def plan(self, req: ChatCompletionRequest, force_usage: bool = False) -> ChatPlan:

@@ -76,10 +76,8 @@ def _fold_completion(
     acc.text += c.text
     acc.logprobs = _joined(acc.logprobs, c.logprobs)
     acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
-    if c.prompt_token_ids is not MISSING:
-        acc.prompt_token_ids = c.prompt_token_ids
-    if c.prompt_logprobs is not MISSING:
-        acc.prompt_logprobs = c.prompt_logprobs
+    acc.prompt_token_ids = given(c.prompt_token_ids, acc.prompt_token_ids)
+    acc.prompt_logprobs = given(c.prompt_logprobs, acc.prompt_logprobs)
     acc.token_ids = _joined_ids(acc.token_ids, c.token_ids)
     return acc
 
@@ -127,9 +125,15 @@ def _joined(acc: L | None, more: L | None) -> L | None:
     return acc
 
 
-def _joined_ids(acc: list[int] | MISSING, more: list[int] | MISSING) -> list[int] | MISSING:
-    if acc is MISSING:
+def given(value: Any, otherwise: Any = None) -> Any:
+    """A chunk's field where the chunk has it, else `otherwise` (a response's vLLM fields are null when unset)."""
+    return otherwise if value is MISSING else value
+
+
+def _joined_ids(acc: list[int] | None, more: list[int] | MISSING) -> list[int] | None:
+    if more is MISSING:
+        return acc
+    if acc is None:
         return more
-    if more is not MISSING:
-        acc.extend(more)
+    acc.extend(more)
     return acc

@@ -120,9 +120,10 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None
     finish_reason: Finish | None
     stop_reason: StopReason
-    prompt_token_ids: list[int] | MISSING = MISSING
-    prompt_logprobs: SkipValidation[VllmPromptLogprobs | None | MISSING] = MISSING
-    token_ids: list[int] | MISSING = MISSING
+    # vLLM's: null unless asked for (a non-streamed response carries them all; a chunk only those it has)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: SkipValidation[VllmPromptLogprobs | None] = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Envelope):
@@ -192,15 +193,15 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None
     finish_reason: Finish | None
     stop_reason: StopReason
-    token_ids: list[int] | MISSING = MISSING
+    token_ids: list[int] | None = None  # vLLM's: null unless asked for
 
 
 class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None
-    prompt_token_ids: list[int] | MISSING = MISSING
-    prompt_logprobs: SkipValidation[VllmPromptLogprobs | None | MISSING] = MISSING
+    prompt_token_ids: list[int] | None = None  # vLLM's: null unless asked for
+    prompt_logprobs: SkipValidation[VllmPromptLogprobs | None] = None
 
 
 # -- JSON ------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ async def test_a_batch_is_one_engine_request_per_conversation_admitted_as_one_gr
         {"role": "assistant", "content": "go!"},
     ]
     assert [c["finish_reason"] for c in body["choices"]] == ["stop"] * 3
-    assert "prompt_token_ids" not in body and "prompt_logprobs" not in body
+    assert body["prompt_token_ids"] is None and body["prompt_logprobs"] is None  # vLLM's null: a batch has none
     by_index = {int(c.request_id.rsplit("-", 1)[1]): c.prompt for c in engine.calls}
     assert by_index == {
         0: "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
@@ -104,7 +104,7 @@ async def test_a_batch_of_one_conversation_is_a_batch() -> None:
     engine = FakeEngineClient(models=(TOKENIZED,))
     body = (await post(engine, {"messages": CONVERSATIONS[:1], "return_token_ids": True, "max_tokens": 2})).json()
     assert [c["message"]["content"] for c in body["choices"]] == ["s0t0 s0t1 "]
-    assert "prompt_token_ids" not in body  # response-level: a batch has none
+    assert body["prompt_token_ids"] is None  # response-level: a batch has none
     assert len(body["choices"][0]["token_ids"]) == 2
     assert engine.calls[0].admission_group is None  # one engine request needs no group
 
@@ -116,7 +116,7 @@ async def test_return_token_ids_and_logprobs_per_choice() -> None:
         {"messages": CONVERSATIONS[:2], "return_token_ids": True, "logprobs": True, "top_logprobs": 1, "max_tokens": 2},
     )
     body = r.json()
-    assert "prompt_token_ids" not in body
+    assert body["prompt_token_ids"] is None
     for choice in body["choices"]:
         assert len(choice["token_ids"]) == 2
         assert [t["token"] for t in choice["logprobs"]["content"]] == ["s0t0 ", "s0t1 "]

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from pydantic import MISSING
 
 from openai_frontend.merge import merge_chat, merge_completion
 from openai_frontend.responses import (
@@ -131,7 +130,7 @@ async def test_completion_merge_joins_text_logprobs_and_token_ids_per_choice():
     )
     assert merged.usage == USAGE
     first, second = merged.choices
-    assert (first.index, first.text, first.token_ids, first.prompt_token_ids) == (0, "a", [1], MISSING)
+    assert (first.index, first.text, first.token_ids, first.prompt_token_ids) == (0, "a", [1], None)
     assert (second.text, second.token_ids, second.prompt_token_ids) == ("bc", [2, 3], [9])
     assert second.logprobs.tokens == ["b", "c"] and second.logprobs.text_offset == [0, 0]
     assert (second.finish_reason, second.stop_reason, second.prompt_logprobs) == ("stop", "END", None)

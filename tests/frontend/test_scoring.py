@@ -173,6 +173,23 @@ async def test_prompt_logprobs_in_vllm_shape() -> None:
         assert "prompt_logprobs" in error["error"]["param"]
 
 
+async def test_vllms_fields_are_null_when_not_asked_for_and_absent_from_chunks() -> None:
+    """vLLM's non-streamed shapes: prompt_logprobs, prompt_token_ids and token_ids are null unless asked
+    for (its clients read them as attributes); a streamed chunk carries only those it has."""
+    completion = await post(engine(), "/v1/completions", {"model": MODEL, "prompt": "a b", "max_tokens": 2})
+    choice = completion["choices"][0]
+    assert (choice["prompt_logprobs"], choice["prompt_token_ids"], choice["token_ids"]) == (None, None, None)
+    chat = await post(
+        engine(),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    )
+    assert (chat["prompt_logprobs"], chat["prompt_token_ids"], chat["choices"][0]["token_ids"]) == (None, None, None)
+    for event in await stream(engine(), "/v1/completions", {"prompt": "a b", "max_tokens": 2}):
+        for c in event["choices"]:
+            assert not {"prompt_logprobs", "prompt_token_ids", "token_ids"} & set(c)
+
+
 # -- token ids ----------------------------------------------------------------------------------
 
 
