@@ -43,6 +43,7 @@ from protocol import (
     SamplingParams,
     Task,
 )
+from protocol.errors import TOO_MANY_SEQUENCES
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class LLMEngine:
                 f"the request needs {needed} sequences ({prompts} prompts x n={request.params.n}); this server "
                 f"runs {self.config.max_num_seqs} and queues at most {bound}: send it in smaller parts",
                 "prompt" if prompts > 1 else "n",
+                TOO_MANY_SEQUENCES,
             )
         waiting = self._num_waiting_seqs()
         if waiting + needed > bound + self.scheduler.num_free_seats:  # the free seats take theirs at the next step

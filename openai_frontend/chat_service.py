@@ -80,16 +80,16 @@ def _chat_prompts(
 
 
 async def _batch_errors(events: AsyncIterator[tuple[int, StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """A batched chat's engine events: the engine names its prompts `prompt`, which this request calls
-    `messages` (e.g. a batch whose sequences could never fit the queue, a conversation past the context
-    window; the engine's error does not say which conversation)."""
+    """A batched chat's engine events: the engine's `prompt` is this request's `messages`: `prompt.<i>`
+    (conversation i refused, e.g. past the context window) is `messages.<i>`, `prompt` (the batch's
+    sequences could never fit the queue) is `messages`."""
     try:
         async with aclosing(events):
             async for event in events:
                 yield event
     except InvalidRequest as e:
-        if e.param == "prompt":
-            e.param = "messages"
+        if e.param == "prompt" or (e.param or "").startswith("prompt."):
+            e.param = "messages" + e.param.removeprefix("prompt")
         raise
 
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from openai_frontend.engine_client import EngineClient
-from openai_frontend.errors import EngineFailure, FrontendError, StreamIntegrityError
+from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest, StreamIntegrityError
 from openai_frontend.metrics import Metrics
 from openai_frontend.request_log import RequestRecord, clipped
 from protocol import AdmissionGroup, RequestTimings, SamplingParams, StepOutput
+from protocol.errors import TOO_MANY_SEQUENCES
 
 
 @dataclass(slots=True)
@@ -194,6 +195,8 @@ class Generation:
                     queue.put_nowait(_Output(p, out))
             queue.put_nowait(_End(p))
         except FrontendError as e:
+            if isinstance(e, InvalidRequest) and e.param == "prompt" and e.code != TOO_MANY_SEQUENCES:
+                e.param = f"prompt.{p}"  # the engine refused this prompt of several: name it
             queue.put_nowait(_Failed(e))
 
     async def _engine_outputs(self, p: int, prompt: str | tuple[int, ...]) -> AsyncIterator[StepOutput]:

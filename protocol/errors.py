@@ -14,5 +14,10 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+# The code of a refusal of a client request's prompts together (more sequences than the server could ever
+# hold), as opposed to one prompt's own (too long, an id outside the vocabulary): those name the prompt.
+TOO_MANY_SEQUENCES = "too_many_sequences"
+
+
 class EngineOverloaded(InvalidRequestError):
     """The engine's queue is full: the request is refused at once rather than queued without end."""

@@ -15,6 +15,7 @@ from openai_frontend import schemas
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.settings import Settings
 from protocol import StructuredOutputs, schema_text
+from protocol.errors import TOO_MANY_SEQUENCES
 from tests.fake_engine import FAKE_MODEL, FakeEngineClient, scripted_steps
 from tests.frontend.test_api import MODEL, make_client
 from tests.frontend.test_structured import SCHEMA, WEATHER
@@ -237,14 +238,6 @@ async def test_special_token_text_goes_as_text_in_each_conversation_and_a_refusa
     assert message.startswith("messages.1.1.content holds a special token's text")
 
 
-async def test_an_engine_refusal_of_the_batch_names_messages() -> None:
-    def script(prompt, params):
-        return [InvalidRequest("the request needs 600 sequences; send it in smaller parts", "prompt")]
-
-    r = await post(FakeEngineClient(script), {"messages": CONVERSATIONS})
-    assert "smaller parts" in refused(r, "messages")
-
-
 async def test_vllms_batch_route_takes_batches_only() -> None:
     engine = FakeEngineClient(echoing)
     r = await post(engine, {"messages": CONVERSATIONS}, path="/v1/chat/completions/batch")
@@ -261,3 +254,19 @@ async def test_sagemaker_invocations_serve_a_batch_too() -> None:
     r = await post(FakeEngineClient(echoing), {"messages": CONVERSATIONS}, path="/invocations")
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+
+
+async def test_an_engine_refusal_of_one_conversation_names_it_and_a_refusal_of_all_names_messages() -> None:
+    def too_long_second(prompt, params) -> list:
+        if "Name a colour" in prompt:
+            return [InvalidRequest("the prompt is 9000 tokens", "prompt", "context_length_exceeded")]
+        return echoing(prompt, params)
+
+    assert refused(await post(FakeEngineClient(too_long_second), {"messages": CONVERSATIONS}), "messages.1")
+    never_fits = InvalidRequest("the request needs 600 sequences", "prompt", TOO_MANY_SEQUENCES)
+    r = await post(FakeEngineClient(lambda prompt, params: [never_fits]), {"messages": CONVERSATIONS})
+    assert refused(r, "messages") == "the request needs 600 sequences"
+    # completions' prompts alike
+    async with make_client(FakeEngineClient(too_long_second)) as client:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi", "Name a colour"]})
+    assert refused(r, "prompt.1")
