@@ -77,7 +77,7 @@ class RequestRecord:
     finish_reasons: list[str | None] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    # What the trace's attributes name (tracing.py): the model the client asked for and the sampling params.
+    # What the trace's attributes name (tracing.py): the model as the response names it, the sampling params.
     model: str | None = None
     params: SamplingParams | None = None
     # A traced request's W3C trace context, sent with its engine requests as gRPC metadata (None: not traced).
