@@ -26,6 +26,7 @@ from openai_frontend.embedding_schemas import (
 )
 from openai_frontend.engine_client import EngineClient
 from openai_frontend.errors import EngineFailure, FrontendError, InvalidRequest
+from openai_frontend.metrics import Metrics
 from openai_frontend.plans import engine_prompts
 from openai_frontend.request_log import current_request, response_ids
 from openai_frontend.settings import Settings
@@ -39,11 +40,13 @@ _NO_SAMPLING = SamplingParams()  # (an embedding request carries none: nothing i
 class EmbeddingService:
     engine: EngineClient
     settings: Settings
+    metrics: Metrics
     # Each model's vector size, once one of its vectors was seen: a `dimensions` that differs is then
     # refused before any engine work (before that, once the vectors are back).
     _sizes: dict[str, int] = field(default_factory=dict)
 
     async def response(self, req: EmbeddingRequest) -> EmbeddingResponse:
+        arrival = time.monotonic()
         prompts = self._prompts(req.input)
         if req.dimensions is not None and req.dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", "dimensions")
@@ -56,11 +59,14 @@ class EmbeddingService:
         headers = None if record is None else record.trace_headers
         outs = await self._embed_all(model.name, prompts, engine_request_id, group, headers)
         received_at = time.monotonic()
+        self.metrics.e2e_request_latency.observe(received_at - arrival)
         size = len(outs[0].embedding or ())
         self._sizes[model.name] = size
         if req.dimensions is not None:
             _check_dimensions(req.dimensions, size, model.name)
         tokens = sum(out.num_prompt_tokens for out in outs)
+        self.metrics.prompt_tokens.inc(tokens)
+        self.metrics.embedding_inputs.inc(len(outs))
         if record is not None:  # the access log line's numbers (request_log.py)
             record.generated = True
             record.model = model.name

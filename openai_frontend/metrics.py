@@ -37,7 +37,23 @@ _LATENCY_BUCKETS = (
 _E2E_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 320.0, 640.0, 1280.0)
 
 # Paths whose requests are counted under their own label; everything else is "other".
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready", "/metrics")
+_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/models",
+    "/invocations",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/version",
+    "/health",
+    "/health/ready",
+    "/ping",
+    "/metrics",
+)
 
 
 class Metrics:
@@ -68,6 +84,9 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.embedding_inputs = Counter(
+            "frontend_embedding_inputs", "Inputs embedded (vectors returned by /v1/embeddings)", registry=r
+        )
         self.requests_in_flight = Gauge("frontend_requests_in_flight", "Generation requests being served", registry=r)
         self.in_flight = 0  # the gauge's value, readable (graceful shutdown waits for it to reach 0)
         self.integrity_violations = Counter(
@@ -79,6 +98,8 @@ class Metrics:
     def observe_request(self, path: str, status: int) -> None:
         if path.startswith("/v1/models/"):
             endpoint = "/v1/models/{model}"
+        elif path.startswith("/v1/responses/"):  # retrieve, delete, cancel, input_items: one label
+            endpoint = "/v1/responses/{response_id}"
         else:
             endpoint = path if path in _ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -24,4 +24,4 @@ class Service:
         self.completions = CompletionService(engine, settings, metrics, self.tokenizers)
         self.chat = ChatService(engine, settings, metrics, self.tokenizers)
         self.responses = ResponsesService(engine, settings, metrics, self.chat)
-        self.embeddings = EmbeddingService(engine, settings)
+        self.embeddings = EmbeddingService(engine, settings, metrics)

@@ -15,6 +15,7 @@ from openai_frontend.errors import InvalidRequest
 from openai_frontend.settings import Settings
 from protocol import SamplingParams, Task
 from tests.fake_engine import FAKE_HIDDEN_SIZE, FAKE_MODEL, FakeEngineClient, fake_embedding
+from tests.frontend.test_api import _metric
 
 pytestmark = pytest.mark.asyncio
 MODEL = FAKE_MODEL.name
@@ -203,3 +204,15 @@ async def test_a_served_name_reaches_the_triton_model_as_an_embed_request() -> N
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "public-name"
     assert [(c.model, c.task) for c in engine.calls] == [(MODEL, Task.EMBED)]
+
+
+async def test_embeddings_are_counted_in_the_frontends_metrics() -> None:
+    app = create_app(FakeEngineClient(), Settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/embeddings", json={"model": MODEL, "input": ["a b", "c"]})
+        assert r.status_code == 200, r.text
+        text = (await client.get("/metrics")).text
+    assert _metric(text, 'frontend_requests_total{endpoint="/v1/embeddings",status="200"}') == 1
+    assert _metric(text, "frontend_embedding_inputs_total") == 2
+    assert _metric(text, "frontend_prompt_tokens_total") == r.json()["usage"]["prompt_tokens"] > 0
+    assert _metric(text, "frontend_e2e_request_latency_seconds_count") == 1
