@@ -182,7 +182,7 @@ def test_an_embedding_runs_its_prompt_in_chunks_and_never_decodes():
 
 
 def _datatype(a) -> str:
-    return {"int32": "INT32", "float32": "FP32", "object": "BYTES"}[a.dtype.name]
+    return {"int32": "INT32", "float32": "FP32", "float64": "FP64", "object": "BYTES"}[a.dtype.name]
 
 
 def _raw(a) -> bytes:
