@@ -6,16 +6,16 @@ of lists of token ids. Unknown fields are a 400 that names them, as in every req
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidatorFunctionWrapHandler, field_validator
 
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.responses import OpenAIBaseModel
-from openai_frontend.schemas import TokenId, _Request
+from openai_frontend.schemas import FAIL_FAST, Strings, TokenIds, _Request
 from protocol.sampling import MAX_TOKEN_ID
 
-EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+EmbeddingInput = str | Strings | TokenIds | Annotated[list[TokenIds], FAIL_FAST]
 
 
 class EmbeddingRequest(_Request):

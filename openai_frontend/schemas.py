@@ -26,7 +26,14 @@ from pydantic import (
 )
 
 from openai_frontend.errors import InvalidRequest
-from protocol.sampling import MAX_TOKEN_ID
+from protocol.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+)
 
 # Sizes a client chooses and the frontend pays for (validating, rendering the chat template, one engine
 # request per prompt): OpenAI's bound where it has one (tools, tool_calls), elsewhere one no real request
@@ -47,9 +54,37 @@ _TEXT_OR_CONTAINER = frozenset((str, dict, list))  # the types json.loads makes 
 # below, the sampling lists' in protocol.SamplingParams, the vocabulary by the engine and /detokenize).
 TokenId = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID})]
 
+# Every list and map a client fills is validated fail-fast: it stops at its first bad item. Validation is
+# one call that holds the GIL, so a body of a million nulls would otherwise make a million errors (seconds
+# of the event loop's thread, and their memory) before the 400 (tests/frontend/test_validation_cost.py).
+FAIL_FAST = Field(fail_fast=True)
+Strings = Annotated[list[str], FAIL_FAST]
+TokenIds = Annotated[list[TokenId], FAIL_FAST]
+# The sampling lists at protocol.SamplingParams' bounds, refused by their length before any item is read.
+StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)]
+LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS, fail_fast=True)]
+
 
 class _Strict(BaseModel):
+    """Unknown fields are an error: the first one, not one per unknown key (a map of a million keys would
+    otherwise make a million errors, see FAIL_FAST)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _first_unknown_only(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            known = cls._known_keys()
+            unknown = next((k for k in data if k not in known), None)
+            if unknown is not None:
+                data = {k: v for k, v in data.items() if k in known or k == unknown}
+        return handler(data)
+
+    @classmethod
+    def _known_keys(cls) -> frozenset[str]:
+        return frozenset(name for n, f in cls.model_fields.items() for name in (n, f.alias) if name is not None)
 
 
 class _Request(_Strict):
@@ -96,7 +131,7 @@ class StructuredOutputsField(_Strict):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Strings | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
@@ -112,14 +147,16 @@ class SamplingFields(_Request):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: str | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these tokens are sampled
-    bad_words: list[str] | None = None  # vLLM's: words never generated
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_ALLOWED_TOKEN_IDS, fail_fast=True)] | None = (
+        None  # vLLM's: only these tokens are sampled
+    )
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS, fail_fast=True)] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context window)
     min_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -134,7 +171,7 @@ class SamplingFields(_Request):
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Strings | None = None
     guided_grammar: str | None = None
     # vLLM's: scores of the prompt's tokens (not with stream), token ids in the response, tokens named by id.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -164,7 +201,7 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | Strings | TokenIds | Annotated[list[TokenIds], FAIL_FAST]
     max_tokens: int | None = None  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
@@ -204,6 +241,9 @@ class TextPart(_Strict):
     text: str
 
 
+TextParts = Annotated[list[TextPart], FAIL_FAST]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -225,8 +265,8 @@ class ChatMessage(BaseModel):
     # OpenAI's roles, and any other a chat template knows (vLLM passes custom roles on to the template).
     role: str = Field(min_length=1)
     # an assistant's, at most OpenAI's bound (before content: content's check reads it)
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS, fail_fast=True)
+    content: str | TextParts | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # tool
 
@@ -276,8 +316,8 @@ class Tool(_Strict):
 
 
 # OpenAI's bounds: an empty list is a 400 there (and in vLLM), as is a 129th tool.
-Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
-Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS, fail_fast=True)]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
 
 
 def _messages_kind(value: Any) -> str:
@@ -291,7 +331,7 @@ def _messages_kind(value: Any) -> str:
 
 # vLLM's batched chat: several conversations, one engine request each. How many is the service's bound
 # (--max-prompts-per-request); all their messages together are bounded here, before any is validated.
-Conversations = Annotated[list[Messages], Field(min_length=1)]
+Conversations = Annotated[list[Messages], Field(min_length=1, fail_fast=True)]
 ChatMessages = Annotated[
     Annotated[Messages, Tag("list[ChatMessage]")] | Annotated[Conversations, Tag("list[list[ChatMessage]]")],
     Discriminator(_messages_kind),
@@ -309,7 +349,7 @@ class NamedToolChoice(_Strict):
 
 class Prediction(_Strict):
     type: Literal["content"]
-    content: str | list[TextPart]
+    content: str | TextParts
 
     @field_validator("content")
     @classmethod
@@ -336,13 +376,13 @@ class ChatCompletionRequest(SamplingFields):
     # reads a completion back; there is one service tier; the prefix cache needs no key; a predicted
     # output only shortens OpenAI's latency, never changes the output.
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], FAIL_FAST] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     safety_identifier: str | None = None  # `user`'s successor
     prediction: Prediction | None = None
-    modalities: list[str] | None = None
+    modalities: Strings | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -412,7 +452,7 @@ class TokenizeChatRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 def openai_metadata(value: dict[str, str] | None) -> dict[str, str] | None:

@@ -18,11 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from openai_frontend.errors import InvalidRequest
 from openai_frontend.schemas import (
+    FAIL_FAST,
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_TOOLS,
     FunctionDefinition,
-    TokenId,
+    LogitBias,
+    StopStrings,
+    StopTokenIds,
     _Request,
     _Strict,
     openai_metadata,
@@ -56,7 +59,7 @@ class TextPart(_Item):
     text: str
 
 
-Content = str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+Content = str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)]
 
 
 class MessageItem(_Item):
@@ -164,7 +167,7 @@ class ResponsesRequest(_Request):
     top_p: float | None = None
     top_logprobs: int | None = None
     text: TextConfig | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)  # bounds built-in tool calls, of which there are none
@@ -173,10 +176,10 @@ class ResponsesRequest(_Request):
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
     truncation: Literal["disabled", "auto"] | None = None  # auto: the prompt's last tokens are kept (vLLM's rule)
-    include: list[_INCLUDABLE] | None = None
+    include: Annotated[list[_INCLUDABLE], FAIL_FAST] | None = None
     reasoning: Reasoning | None = None
     # OpenAI fields that change nothing this server produces, accepted as chat accepts them.
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], FAIL_FAST] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -192,9 +195,9 @@ class ResponsesRequest(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    logit_bias: dict[str, float] | None = None
+    stop: str | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
+    logit_bias: LogitBias | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import json.scanner
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -19,7 +20,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from openai_frontend.errors import AuthenticationFailed, ClientDisconnected, EngineFailure, FrontendError
+from openai_frontend.errors import (
+    AuthenticationFailed,
+    ClientDisconnected,
+    EngineFailure,
+    FrontendError,
+    InvalidRequest,
+)
 from openai_frontend.responses import OpenAIBaseModel, json_body, json_text
 from openai_frontend.service import Service
 
@@ -99,7 +106,7 @@ def _parse_and_validate(field: Any, body: bytes) -> Any:
     body parameter), with its errors; _FASTAPI_DECIDES for a body that is not JSON text at all (bad UTF-8,
     nesting past the recursion limit), whose answer FastAPI gives."""
     try:
-        data = json.loads(body, parse_int=_parse_int)
+        data = json.loads(body, cls=_decoder_for(body), parse_int=_parse_int)
     except json.JSONDecodeError as e:
         error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([error | {"ctx": {"error": e.msg}}], body=e.doc) from None
@@ -107,8 +114,68 @@ def _parse_and_validate(field: Any, body: bytes) -> Any:
         return _FASTAPI_DECIDES
     value, errors = field.validate(data, {}, loc=("body",))
     if errors:
-        raise RequestValidationError(errors, body=data)
+        # (The errors' inputs would keep the body alive to be freed on the loop's thread, all at once.)
+        errors = [{k: v for k, v in error.items() if k != "input"} for error in errors]
+        _free_gradually(data)
+        raise RequestValidationError(errors)
     return value
+
+
+class _InterruptibleDecoder(json.JSONDecoder):
+    """json's decoder with its Python scanner: objects and arrays are read by Python code (each string
+    still by the C scanstring), so the thread gives up the GIL every switch interval while it parses."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(object_pairs_hook=_bounded_object, **kwargs)
+        self.memo = _NoMemo()  # (the scanner clears its memo of every key in one call at the end)
+        self.scan_once = json.scanner.py_make_scanner(self)
+
+
+class _NoMemo(dict):
+    """A memo that keeps nothing: each key stays its own string."""
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return default
+
+
+MAX_OBJECT_KEYS = 65536  # keys of one JSON object in a body (making a dict of them is one C call)
+_FREE_CHUNK = 4096
+
+
+def _bounded_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len(pairs) > MAX_OBJECT_KEYS:
+        _free_gradually(pairs)
+        raise InvalidRequest(f"A JSON object in the request body holds at most {MAX_OBJECT_KEYS} keys")
+    return dict(pairs)
+
+
+def _free_gradually(value: Any) -> None:
+    """Empties a parsed body a chunk at a time, its big containers first: freeing millions of objects at
+    once is one C call that holds the GIL, wherever it happens."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else ()
+        stack.extend(c for c in children if isinstance(c, list | dict | tuple) and len(c) > _FREE_CHUNK)
+        if isinstance(item, list):  # (its big children are on the stack: deleting them here frees nothing yet)
+            while item:
+                del item[-_FREE_CHUNK:]
+
+
+# The C parser reads a whole body in one call that holds the GIL, and calls into Python only for numbers
+# (_parse_int). Past this many strings, keys, nulls and booleans the event loop's thread would wait for
+# it (a key costs about a microsecond, a string tens of nanoseconds), so such a body is read by the Python
+# scanner instead: slower, on a prompt thread at nice 10, and never holding the loop.
+C_PARSER_MAX_VALUES = 65536
+
+
+def _decoder_for(body: bytes) -> type[json.JSONDecoder]:
+    """The decoder for `body`, judged by an upper bound of its values other than numbers, counted in bytes
+    (quotes and colons inside strings count too: a body of long texts may take the Python scanner, whose
+    strings are C's all the same)."""
+    count = body.count
+    values = count(b'"') // 2 + count(b":") + count(b"null") + count(b"true") + count(b"false")
+    return _InterruptibleDecoder if values > C_PARSER_MAX_VALUES else json.JSONDecoder
 
 
 def _parse_int(text: str) -> int:

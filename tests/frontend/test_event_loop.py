@@ -204,3 +204,42 @@ async def test_a_big_tokenize_body_is_validated_off_the_loop_with_the_same_error
         on_loop = await post_json(c, "/tokenize", body)
     assert off_loop.status_code == on_loop.status_code == 400
     assert off_loop.json() == on_loop.json() and off_loop.json()["error"]["param"] == "nope"
+
+
+# One object of half a million keys, within the default body limit: the C parser makes its dict in one call
+# that holds the GIL (a microsecond or so a key; the validation of value-heavy bodies:
+# tests/frontend/test_validation_cost.py).
+MANY_KEYS_BODY = b'{"model": "fake-llm", "prompt": "x", "logit_bias": {%s}}' % b",".join(
+    b'"%d": null' % i for i in range(500_000)
+)
+
+
+async def test_a_body_of_half_a_million_keys_is_read_in_python_and_the_loop_runs_meanwhile(monkeypatch) -> None:
+    from openai_frontend.routers import common
+
+    assert common._decoder_for(MANY_KEYS_BODY) is common._InterruptibleDecoder
+    async with client() as c:
+        r, python_scanner = await loop_gaps_during(c, MANY_KEYS_BODY)
+        assert r.status_code == 400 and "65536 keys" in r.json()["error"]["message"], r.text
+        monkeypatch.setattr(common, "_decoder_for", lambda body: json.JSONDecoder)  # the C parser, as before
+        c_parser_response, c_parser = await loop_gaps_during(c, MANY_KEYS_BODY)
+    assert c_parser_response.status_code == 400
+    assert python_scanner < c_parser / 2, (
+        f"loop gap {python_scanner * 1e3:.0f} ms with the Python scanner, {c_parser * 1e3:.0f} ms with C's"
+    )
+
+
+def test_both_parsers_read_a_body_alike() -> None:
+    from openai_frontend.routers import common
+
+    body = b'{"a": [null, true, false, 1, -2.5e3, 1e300, "\\u00e9\\ud83d\\ude00\\"", {"b": {}}, []], "x": 1, "x": 2}'
+    assert json.loads(body, cls=common._InterruptibleDecoder, parse_int=int) == json.loads(body)
+
+
+def test_an_object_of_too_many_keys_is_a_400() -> None:
+    from openai_frontend.errors import InvalidRequest
+    from openai_frontend.routers import common
+
+    keys = b",".join(b'"%d": 0' % i for i in range(common.MAX_OBJECT_KEYS + 1))
+    with pytest.raises(InvalidRequest, match="at most 65536 keys"):
+        json.loads(b'{"m": {' + keys + b"}}", cls=common._InterruptibleDecoder)
