@@ -288,7 +288,7 @@ def test_sends_slower_than_the_wait_go_to_the_sender_and_generation_runs_ahead(m
     engine.step = step
 
     def slow_send(sink, output):
-        time.sleep(0.05)
+        time.sleep(0.2)  # far longer than a tiny-model step, even on a busy machine
         sent_on.append(threading.current_thread().name)
         send(sink, output)
 
