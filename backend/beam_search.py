@@ -126,6 +126,8 @@ class BeamSearch:
                         )
                     continue
                 candidates.append((cum, parent, entry))
+        if len(self._finished) > width:  # only the n best can be outputs (a finished score never changes)
+            self._finished = sorted(self._finished, key=self._score, reverse=True)[:width]
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep the beams' order, then the tokens' rank
         best = candidates[:width]
         num_output = parents[0].num_output_tokens + 1
