@@ -210,21 +210,18 @@ class BeamSearch:
         return tuple(out)
 
     def _texts(self, hyp: Hypothesis) -> tuple[str, tuple[str, ...]]:
-        """The output's text and each token's, as the output processor gives them: a final stop token
-        adds no text unless include_stop_str_in_output, and what the detokenizer held goes to the last."""
+        """The output's text and each token's, by the output processor's rule: a final stop token adds no
+        text unless include_stop_str_in_output (what earlier tokens left unfinished still goes out), and
+        what the detokenizer held at the end is the last token's text too."""
         detok = IncrementalDetokenizer(self._tokenizer, self.params.skip_special_tokens)
-        token_texts = [detok.add_token(t) for t in hyp.token_ids]
-        held = detok.flush()
-        text_ids = len(hyp.token_ids)
+        *body, last = hyp.token_ids  # (a hypothesis has at least its one token)
+        token_texts = [detok.add_token(t) for t in body]
         if hyp.finish_reason is FinishReason.STOP and not self.params.include_stop_str_in_output:
-            text_ids -= 1
-        if token_texts:
-            token_texts[-1] += held
-        if text_ids == len(hyp.token_ids):
-            return "".join(token_texts), tuple(token_texts)
-        detok = IncrementalDetokenizer(self._tokenizer, self.params.skip_special_tokens)
-        text = "".join(detok.add_token(t) for t in hyp.token_ids[:text_ids]) + detok.flush()
-        return text, tuple(token_texts)
+            held = detok.flush()
+            token_texts.append(held + detok.add_token(last) + detok.flush())
+            return "".join(token_texts[:-1]) + held, tuple(token_texts)
+        token_texts.append(detok.add_token(last) + detok.flush())
+        return "".join(token_texts), tuple(token_texts)
 
     def _message(
         self,

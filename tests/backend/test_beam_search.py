@@ -213,3 +213,21 @@ def test_a_search_that_could_not_fit_the_pool_is_refused():
     with pytest.raises(InvalidRequestError) as e:
         engine.make_request("b", PROMPT_IDS, SamplingParams(use_beam_search=True, n=4, max_tokens=30))
     assert e.value.param == "max_tokens" and "160" in e.value.message
+
+
+def test_a_stop_token_adds_no_text_unless_asked_and_the_token_texts_join_to_the_text():
+    tokenizer = smollm2_tokenizer()
+    hello, world = tokenizer.encode("hello world", add_special_tokens=False)[:2]
+    for include in (False, True):
+        search, seqs = make_search(
+            n=1, max_tokens=4, logprobs=0, include_stop_str_in_output=include, skip_special_tokens=not include
+        )
+        apply(search.advance({s: row((hello, -0.1), (7, -5)) for s in seqs}), seqs)
+        apply(search.advance({seqs[0]: row((world, -0.1), (7, -5))}), seqs)
+        apply(search.advance({seqs[0]: row((EOS, -0.1), (7, -5))}), seqs)  # EOS ends a hypothesis, 7 goes on
+        out = search.advance({seqs[0]: row((8, -9.0), (9, -9.5))}).outputs[0]
+        eos_text = tokenizer.token_text(EOS) if include else ""
+        assert out.token_ids == (hello, world, EOS) and out.finish_reason is FinishReason.STOP
+        assert out.text_delta == tokenizer.decode([hello, world]) + eos_text
+        assert len(out.logprobs.token_texts) == 3
+        assert "".join(out.logprobs.token_texts[:2]) == tokenizer.decode([hello, world])
